@@ -1,0 +1,1 @@
+"""Model building blocks, one per file; attention takes an explicit metadata object (no global context)."""

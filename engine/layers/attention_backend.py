@@ -1,0 +1,100 @@
+"""The single attention dispatch point: paged attention over the KV cache.
+
+`paged_attention` stores the step's new K/V into the paged cache (layout
+[num_blocks, block_size, num_kv_heads, head_dim]) and attends. On CPU it uses torch's
+scaled_dot_product_attention: decodes are batched by gathering each sequence's blocks
+(padded to the longest, masked); prefill chunks go one by one, attending to the cached prefix
+plus the chunk, causally aligned to the end of the sequence. GQA/MQA via `enable_gqa`.
+Triton kernels plug in here on CUDA (another issue); the model never sees the difference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .attention_metadata import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's tokens) -> [T, Hq, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_seqs
+    if num_decode:
+        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale)
+    for chunk in meta.prefills:
+        sl = slice(chunk.query_start, chunk.query_start + chunk.num_query_tokens)
+        if chunk.mask is None:
+            keys, values = k[sl], v[sl]
+        else:
+            keys = _gather(k_cache, chunk.block_ids, chunk.context_len)
+            values = _gather(v_cache, chunk.block_ids, chunk.context_len)
+        attn = F.scaled_dot_product_attention(
+            q[sl].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[sl] = attn.transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    blocks = cache.index_select(0, block_ids)
+    return blocks.view(-1, cache.shape[2], cache.shape[3])[:length]
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    num_seqs, max_blocks = meta.decode_block_tables.shape
+    flat = meta.decode_block_tables.reshape(-1)
+    shape = (num_seqs, max_blocks * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
+    keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )
+    return attn.squeeze(2)
+
+
+def build_decode_mask(seq_lens: list[int], num_key_slots: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Key positions each decode query may see: [0, seq_len) minus anything outside the window."""
+    lens = torch.tensor(seq_lens, device=device).unsqueeze(1)
+    positions = torch.arange(num_key_slots, device=device).unsqueeze(0)
+    mask = positions < lens
+    if sliding_window is not None:
+        mask &= positions > lens - 1 - sliding_window
+    return mask[:, None, None, :]
+
+
+def build_prefill_mask(
+    start: int, num_query: int, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Causal mask with queries aligned to the end of the context; None when plain causal suffices."""
+    if start == 0 and (sliding_window is None or sliding_window >= context_len):
+        return None
+    query_pos = torch.arange(start, start + num_query, device=device).unsqueeze(1)
+    key_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask

@@ -1,0 +1,111 @@
+"""The offline API users know from vLLM: `LLM(model=...)`, `generate`, `chat`, `get_tokenizer`.
+
+`generate` validates every prompt before queueing any (one bad prompt raises `ValueError` and
+nothing runs), fans `n > 1` out into n sequences (seeded ones get seeds seed, seed+1, …, so
+the n completions differ but stay reproducible), steps the engine until all are done and
+returns results in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .engine_config import EngineConfig
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        for prompt in prompt_list:
+            self.engine.validate_prompt(prompt)
+        groups: list[tuple[str, list[str]]] = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            parent = str(next(self._counter))
+            children = []
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                child = dataclasses.replace(params, n=1, seed=seed)
+                child_id = parent if params.n == 1 else f"{parent}-{i}"
+                self.engine.add_request(child_id, prompt, child)
+                children.append(child_id)
+            groups.append((parent, children))
+
+        done: dict[str, RequestOutput] = {}
+        total = sum(len(children) for _, children in groups)
+        with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+        results = []
+        for parent, children in groups:
+            first = done[children[0]]
+            outputs = []
+            for index, child in enumerate(children):
+                completion = done[child].outputs[0]
+                completion.index = index
+                outputs.append(completion)
+            results.append(dataclasses.replace(first, request_id=parent, outputs=outputs))
+        return results
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            # The template already carries any BOS token, so encode without adding special tokens again.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(t, int) for t in prompt_list):
+        return [prompt_list]  # a single prompt given as token ids
+    return prompt_list
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params_list = list(params)
+    if len(params_list) != count:
+        raise ValueError(f"got {len(params_list)} sampling params for {count} prompts; give one or one per prompt")
+    return params_list

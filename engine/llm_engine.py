@@ -1,0 +1,215 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+`step()` reads as schedule → run → update: the scheduler picks the work, the model runner
+computes it, the scheduler advances the requests, and this class turns new tokens into text
+(incremental detokenization, stop strings) and `RequestOutput`s. It is synchronous and has
+no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a loop.
+Invariant: a request that fails validation raises `ValueError` before anything is queued,
+so it never affects the requests already running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .detokenizer import IncrementalDetokenizer
+from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
+from .kv_cache import KVCacheManager
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .models.loader import load_model
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, RequestStatus
+from .sampler import Sampler
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+        model_config = ModelConfig.from_pretrained(config.model)
+        self.resolved: ResolvedConfig = resolve(config, model_config)
+        rc = self.resolved
+        self.model, self.model_config = load_model(
+            config.model, dtype=rc.dtype, device=rc.device, max_positions=rc.max_model_len, show_progress=config.show_progress
+        )
+        self.max_model_len = rc.max_model_len
+        num_blocks = rc.num_kv_blocks or self._size_kv_cache()
+        self.num_kv_blocks = num_blocks
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=rc.max_num_batched_tokens,
+            max_model_len=rc.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(config.seed, rc.device)
+        self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_blocks, self.sampler, rc.device)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        logger.info(
+            "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, budget=%d tokens/step, device=%s",
+            num_blocks, config.block_size, rc.max_model_len, config.max_num_seqs, rc.max_num_batched_tokens, rc.device,
+        )  # fmt: skip
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and queue one sequence (n must be 1 here; `LLM` fans out n > 1)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError("LLMEngine.add_request takes n=1; fan out n > 1 into separate requests")
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids, text = self.validate_prompt(prompt)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request_id] = _Tracked(request, text, detok, [] if params.logprobs is not None else None)
+        return request
+
+    def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        elif isinstance(prompt, list | tuple):
+            token_ids, text = list(prompt), None
+            vocab = self.model_config.vocab_size
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                "shorten the prompt or raise max_model_len"
+            )
+        return token_ids, text
+
+    def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return [self._finish_output(request) for request in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduled forward pass; returns an output for every request that produced a token."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        runner_out = self.runner.execute(sched_out)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        stopped_by_text: list[str] = []
+        for seq in sched_out.scheduled:
+            request = seq.request
+            token = runner_out.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            tracked = self._tracked[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            entry = runner_out.logprobs.get(request.request_id)
+            if entry is not None and tracked.logprobs is not None:
+                sampled_lp, top = entry
+                tracked.logprobs.append({**dict(top), token: sampled_lp})
+                tracked.cumulative_logprob += sampled_lp
+            match = tracked.detokenizer.update([token])
+            if request.request_id in finished:
+                if request.stop_token_id is not None:
+                    tracked.stop_reason = request.stop_token_id
+                outputs.append(self._finish_output(request))
+            elif match is not None:
+                tracked.stop_reason = match.stop
+                stopped_by_text.append(request.request_id)
+            else:
+                outputs.append(self._output(tracked))
+        for request in self.scheduler.finish_requests(stopped_by_text, RequestStatus.FINISHED_STOPPED):
+            outputs.append(self._finish_output(request))
+        return outputs
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def _output(self, tracked: _Tracked, finished: bool = False) -> RequestOutput:
+        request = tracked.request
+        detok = tracked.detokenizer
+        text = detok.output_text if finished else detok.output_text[: detok.safe_text_len]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=tracked.stop_reason,
+            logprobs=tracked.logprobs,
+            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        tracked = self._tracked.pop(request.request_id)
+        tracked.detokenizer.finish()
+        self.sampler.release(request.request_id)
+        return self._output(tracked, finished=True)
+
+    # ---- sizing -------------------------------------------------------------------------------
+    def _size_kv_cache(self) -> int:
+        rc, config = self.resolved, self.config
+        per_block = kv_bytes_per_block(self.model_config, config.block_size, rc.dtype)
+        if rc.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(rc.device)
+            # Keep headroom for activations: one full step's logits and hidden states, doubled.
+            activations = 2 * rc.max_num_batched_tokens * (self.model_config.vocab_size + 8 * self.model_config.hidden_size) * 4
+            budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
+        else:
+            budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        useful = -(-config.max_num_seqs * rc.max_model_len // config.block_size)
+        num_blocks = min(budget // per_block, useful)
+        check_kv_capacity(num_blocks, config.block_size, rc.max_model_len)
+        return num_blocks

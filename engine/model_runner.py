@@ -1,0 +1,144 @@
+"""The model runner: the only place a `SchedulerOutput` becomes tensors.
+
+It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
+head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
+slot mapping, block tables and masks once per step, runs the model, computes logits only
+for the sequences that sample this step, and hands those to the sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .layers.attention_backend import build_decode_mask, build_prefill_mask
+from .layers.attention_metadata import AttentionMetadata, PrefillChunk
+from .models.llama import LlamaForCausalLM
+from .sampler import Sampler
+from .sched_output import ModelRunnerOutput, SchedulerOutput
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        block_size: int,
+        num_blocks: int,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=config.torch_dtype, device=device), torch.zeros(shape, dtype=config.torch_dtype, device=device))
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        bs = self.block_size
+        window = self.config.sliding_window
+        for seq in sched_out.scheduled:
+            start, num_new = seq.num_computed_tokens, seq.num_new_tokens
+            context_len = start + num_new
+            query_start = len(input_ids)
+            input_ids.extend(seq.request.token_ids_slice(start, context_len))
+            blocks = seq.block_ids
+            for pos in range(start, context_len):
+                positions.append(pos)
+                slots.append(blocks[pos // bs] * bs + pos % bs)
+            num_blocks = -(-context_len // bs)
+            if num_new == 1 and seq.needs_sample:
+                decode_tables.append(blocks[:num_blocks])
+                decode_lens.append(context_len)
+            else:
+                prefills.append(
+                    PrefillChunk(
+                        query_start=query_start,
+                        num_query_tokens=num_new,
+                        context_len=context_len,
+                        block_ids=torch.tensor(blocks[:num_blocks], dtype=torch.long, device=self.device),
+                        mask=build_prefill_mask(start, num_new, context_len, window, self.device),
+                    )
+                )
+            if seq.needs_sample:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(seq.request)
+
+        decode_mask = None
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        if decode_tables:
+            decode_mask = build_decode_mask(decode_lens, max_blocks * bs, window, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_seqs=len(decode_tables),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), max_blocks),
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        out = ModelRunnerOutput()
+        if not sample_rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        tokens, logprobs = self.sampler.sample(logits, sample_requests)
+        out.sampled_token_ids = {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}
+        out.logprobs = logprobs
+        return out
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits for every position of one prompt, through the same paged path (tests and scoring).
+
+        Uses scratch KV tensors of its own, so the shared cache (and its prefix map) is untouched.
+        """
+        num_tokens = len(token_ids)
+        num_blocks = -(-num_tokens // self.block_size)
+        shape = (num_blocks, *self.kv_caches[0][0].shape[1:])
+        dtype = self.config.torch_dtype
+        scratch = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in self.kv_caches
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            num_decode_seqs=0,
+            decode_block_tables=torch.zeros(0, 0, dtype=torch.long, device=self.device),
+            decode_mask=None,
+            prefills=[
+                PrefillChunk(
+                    0,
+                    num_tokens,
+                    num_tokens,
+                    torch.arange(num_blocks, device=self.device),
+                    build_prefill_mask(0, num_tokens, num_tokens, self.config.sliding_window, self.device),
+                )
+            ],
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch, meta)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,79 @@
+"""Load a model from a local Hugging Face folder: config, then safetensors (single or sharded).
+
+Errors name what is wrong: a missing file (and the folder it was looked for in), an
+unsupported architecture (with the supported list), a tensor with the wrong shape, a weight
+the checkpoint lacks. A progress bar shows tensors as they are copied in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ..config import ModelConfig
+from .llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MODEL_CLASSES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file.name} listed in {index.name} is missing from {path}")
+        return files
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in model folder {path}")
+
+
+def iter_weights(files: list[Path], dtype: torch.dtype, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            total += len(list(f.keys()))
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                    yield name, f.get_tensor(name).to(dtype)
+                    bar.update(1)
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    max_positions: int | None = None,
+    show_progress: bool = True,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    config = ModelConfig.from_pretrained(folder)
+    if dtype is not None:
+        config.torch_dtype = dtype
+    files = safetensors_files(folder)
+    model_class = MODEL_CLASSES[config.architecture]
+    model = model_class(config, device=device, max_positions=max_positions)
+    model.load_weights(iter_weights(files, config.torch_dtype, show_progress))
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s from %s: %.1fM parameters, %s", config.architecture, folder, num_params / 1e6, config.torch_dtype)
+    return model, config

@@ -1,0 +1,31 @@
+"""What the engine returns: vLLM-shaped `RequestOutput` / `CompletionOutput` (plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # while running: only text that no stop string can still cut
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # Per generated token: {token id: logprob} with the sampled token and the top-n alternatives.
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -1,0 +1,135 @@
+"""Turns the step's logits into next tokens, one row per sequence that samples this step.
+
+Order, as in vLLM: logprobs come from the raw model distribution; then penalties
+(repetition over prompt+output, presence/frequency over output), the `min_tokens` mask on
+EOS/stop tokens, then greedy argmax or temperature → top-k → top-p → min-p → sample.
+Sampling is an exponential race (argmax of p / Exp(1) noise) whose noise for a seeded request
+comes from that request's own generator, so its tokens do not depend on what else is in the
+batch. Generators persist across steps and preemptions; `release` drops them when a request ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .request import Request
+
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[str, LogprobEntry]]:
+        """logits: float32 [num_rows, vocab]; returns token ids (row order) and logprobs by request id."""
+        raw = logits
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            self._apply_penalties_and_masks(logits, row, request)
+
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            tokens[index] = logits[index].argmax(dim=-1)
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            chosen = [requests[i] for i in random_rows]
+            tokens[index] = self._sample_random(logits[index], chosen)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw, requests, token_list)
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def _apply_penalties_and_masks(self, logits: torch.Tensor, row: int, request: Request) -> None:
+        params = request.sampling_params
+        vocab = logits.shape[1]
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            ids = [t for t in request.all_token_ids if t < vocab]
+            seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+            values = logits[row]
+            penalised = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+            logits[row] = torch.where(seen, penalised, values)
+        if (params.presence_penalty or params.frequency_penalty) and request.output_token_ids:
+            ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+        if request.num_output_tokens < params.min_tokens:
+            banned = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned |= request.eos_token_ids
+            banned_ids = [t for t in banned if t < vocab]
+            if banned_ids:
+                logits[row, banned_ids] = float("-inf")
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.sampling_params.temperature for r in requests], device=logits.device)
+        logits = logits / temps.unsqueeze(1)
+        top_ks = [r.sampling_params.top_k for r in requests]
+        top_ps = [r.sampling_params.top_p for r in requests]
+        if any(top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _top_k_top_p(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = torch.tensor([r.sampling_params.min_p for r in requests], device=logits.device)
+        if bool((min_ps > 0).any()):
+            threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        unseeded = []
+        for row, request in enumerate(requests):
+            seed = request.sampling_params.seed
+            if seed is None:
+                unseeded.append(row)
+                continue
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(seed)
+                self._generators[request.request_id] = generator
+            noise[row].exponential_(generator=generator)
+        if unseeded:
+            index = torch.tensor(unseeded, device=logits.device)
+            noise[index] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
+                generator=self.generator
+            )
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(self, raw: torch.Tensor, requests: Sequence[Request], tokens: list[int]) -> dict[str, LogprobEntry]:
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return {}
+        logprobs = torch.log_softmax(raw[rows], dim=-1)
+        max_n = max(requests[i].sampling_params.logprobs or 0 for i in rows)
+        top_values, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
+        result: dict[str, LogprobEntry] = {}
+        for k, row in enumerate(rows):
+            request = requests[row]
+            n = request.sampling_params.logprobs or 0
+            top = list(zip(top_ids[k, :n].tolist(), top_values[k, :n].tolist(), strict=True))
+            result[request.request_id] = (float(logprobs[k, tokens[row]]), top)
+        return result
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).clamp(max=vocab)
+    positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    remove = positions >= ks.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    ps = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype).unsqueeze(1)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the mass before it already reaches top_p; the most likely token always stays.
+    remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= ps
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, sorted_ids, sorted_logits)

@@ -1,0 +1,40 @@
+"""Plain dataclasses passed between the scheduler, the model runner and back (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import Request
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: Request
+    num_computed_tokens: int  # tokens already in the KV cache before this step (start position)
+    num_new_tokens: int  # tokens whose KV this step computes
+    block_ids: list[int]  # the request's whole block table after allocation
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this step reaches the end of the known tokens, so the next token is sampled."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
+    num_batched_tokens: int = 0  # sum of num_new_tokens
+    preempted_request_ids: list[str] = field(default_factory=list)  # preempted during this schedule
+    num_preemptions: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # request_id -> sampled token id, for the sequences whose `needs_sample` was true
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # request_id -> (sampled token logprob, [(token id, logprob)] top-n), when logprobs were asked for
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)

@@ -1,0 +1,207 @@
+"""Continuous-batching scheduler: one token budget per step, chunked prefill, preemption by recompute.
+
+Every request's `num_computed_tokens` catches up with its `num_tokens`: a prefill, a chunk of
+a prefill and a decode are the same thing here, so one loop serves all three and decodes mix
+with prefills in one step. Running requests are served first (in arrival order), then waiting
+ones, while the budget (`max_num_batched_tokens`) and `max_num_seqs` allow.
+
+When the KV cache is full, a running request not yet scheduled in this step is preempted:
+the one whose recompute wastes the least work (fewest computed tokens), preferring requests
+never preempted before, so no request is preempted again while others qualify. A preempted
+request frees its blocks (its prefix stays in the prefix cache) and goes back to the waiting
+queue in its arrival position. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+from .sched_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Request] = []  # sorted by (arrival_time, sequence number)
+        self.running: list[Request] = []  # in arrival order
+        self.requests: dict[str, Request] = {}
+        self._order: dict[str, tuple[float, int]] = {}
+        self._next_seq = 0
+        self.num_preemptions_total = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.arrival_time, self._next_seq)
+        self._next_seq += 1
+        self._enqueue_waiting(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort, or stop on a stop string) requests wherever they are; frees everything at once."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._retire(request, status)
+            finished.append(request)
+        return finished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput()
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted_this_step = False
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._choose_victim(exclude=scheduled)
+                self._preempt(victim)
+                out.preempted_request_ids.append(victim.request_id)
+                preempted_this_step = True
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = self._scheduled(request, request.num_computed_tokens, num_new)
+            budget -= num_new
+
+        # New work only when nothing had to be preempted: memory is tight otherwise.
+        while self.waiting and budget > 0 and not preempted_this_step and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break  # head-of-line waits: later requests never jump a request that does not fit
+            self.waiting.pop(0)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self._insert_running(request)
+            scheduled[request.request_id] = self._scheduled(request, request.num_computed_tokens, num_new)
+            budget -= num_new
+
+        decodes = [seq for seq in scheduled.values() if seq.num_new_tokens == 1 and seq.needs_sample]
+        prefills = [seq for seq in scheduled.values() if not (seq.num_new_tokens == 1 and seq.needs_sample)]
+        out.scheduled = decodes + prefills
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.num_preemptions = len(out.preempted_request_ids)
+        return out
+
+    def update_from_output(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop condition."""
+        finished: list[Request] = []
+        for seq in sched_out.scheduled:
+            request = seq.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
+            token = runner_out.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            request.output_token_ids.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._retire(request, status)
+                finished.append(request)
+        return finished
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _scheduled(self, request: Request, start: int, num_new: int) -> ScheduledSeq:
+        return ScheduledSeq(request, start, num_new, self.kv_cache.block_ids(request.request_id))
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _choose_victim(self, exclude: dict[str, ScheduledSeq]) -> Request:
+        """Running request not yet scheduled this step whose recompute wastes least; never-preempted first."""
+        candidates = [r for r in self.running if r.request_id not in exclude]
+        return min(candidates, key=lambda r: (r.num_preemptions > 0, r.num_computed_tokens, self._neg_order(r)))
+
+    def _neg_order(self, request: Request) -> tuple[float, int]:
+        arrival, seq = self._order[request.request_id]
+        return (-arrival, -seq)  # among equals, the latest arrival goes first
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request, keep_hashes=True)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions_total += 1
+        self._enqueue_waiting(request)
+
+    def _retire(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        del self._order[request.request_id]
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        keys = [self._order[r.request_id] for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._order[request.request_id]), request)
+
+    def _insert_running(self, request: Request) -> None:
+        keys = [self._order[r.request_id] for r in self.running]
+        self.running.insert(bisect.bisect(keys, self._order[request.request_id]), request)

@@ -1,0 +1,22 @@
+"""Maps the repository's folders onto the `tidepool` package.
+
+`engine/`, `operator/` and `kernels/` become `tidepool.engine`, `tidepool.operator` and
+`tidepool.kernels`; `cli/` holds the top-level `tidepool` package (version and console script).
+A folder named `operator` must never be importable as a top-level name: it would shadow the
+standard library's `operator` module, hence the mapping instead of a flat layout.
+"""
+
+from setuptools import find_packages, setup
+
+ROOTS = {"tidepool": "cli", "tidepool.engine": "engine", "tidepool.operator": "operator", "tidepool.kernels": "kernels"}
+
+packages: list[str] = []
+package_dir: dict[str, str] = {}
+for package, folder in ROOTS.items():
+    package_dir[package] = folder
+    packages.append(package)
+    for sub in find_packages(folder):
+        packages.append(f"{package}.{sub}")
+        package_dir[f"{package}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
+
+setup(packages=packages, package_dir=package_dir, package_data={"tidepool.engine": ["py.typed"]})
