@@ -50,9 +50,13 @@ class ResolvedConfig:
 
 
 def resolve(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else config.device)
-    if config.device == "auto" and device.type != "cuda":
-        device = torch.device("cpu")
+    if config.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(config.device)
+        except RuntimeError as err:
+            raise ValueError(f"device {config.device!r} is not a torch device; use 'auto', 'cpu' or 'cuda[:N]'") from err
     dtype = model.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:

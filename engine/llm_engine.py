@@ -161,7 +161,7 @@ class LLMEngine:
                     tracked.stop_reason = request.stop_token_id
                 outputs.append(self._finish_output(request))
             elif match is not None:
-                tracked.stop_reason = match.stop
+                tracked.stop_reason = match.stop_str
                 stopped_by_text.append(request.request_id)
             else:
                 outputs.append(self._output(tracked))
@@ -173,7 +173,9 @@ class LLMEngine:
     def _output(self, tracked: _Tracked, finished: bool = False) -> RequestOutput:
         request = tracked.request
         detok = tracked.detokenizer
-        text = detok.output_text if finished else detok.output_text[: detok.safe_text_len]
+        if not finished:
+            detok.get_delta_text()  # advance the streamed offset past text no stop string can cut
+        text = detok.output_text if finished else detok.output_text[: detok.num_sent_chars]
         completion = CompletionOutput(
             index=0,
             text=text,

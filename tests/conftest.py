@@ -1,0 +1,94 @@
+"""Shared fixtures: small random models saved in Hugging Face format, built once per test session.
+
+`hf_model_dir(name)` saves a random model with transformers' own `save_pretrained` (so the
+equivalence tests compare against an independent writer of the format) and gives it the
+tokenizer of Tidepool's `tiny` preset (vocab 512). The control-plane fixture lives in its own
+plugin module.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest_plugins = ["controlplane_fixture"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# name -> (architecture class name in transformers, config overrides)
+HF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa": ("LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "llama-mqa-tied-llama3rope": (
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama-headdim24-linearrope": (
+        "LlamaForCausalLM",
+        {"head_dim": 24, "num_key_value_heads": 4, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
+    "mistral-window": ("MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": 48}),
+    "qwen2-tied": ("Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True, "rope_theta": 1e6}),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tidepool.engine.make_model import make_model
+
+    return make_model("llama", "tiny", tmp_path_factory.mktemp("models") / "tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name in made:
+            return made[name]
+        import torch
+        import transformers
+
+        arch, overrides = HF_VARIANTS[name]
+        config_class = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+        kwargs: dict[str, Any] = dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            initializer_range=0.08,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        kwargs.update(overrides)
+        torch.manual_seed(sum(map(ord, name)))
+        model = getattr(transformers, arch)(config_class(**kwargs)).eval()
+        with torch.no_grad():  # HF initialises biases to 0 and norms to 1: perturb them so loading is tested
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("bias"):
+                    param.normal_(0.0, 0.1)
+                elif "norm" in param_name:
+                    param.add_(torch.randn_like(param) * 0.1)
+        out = tmp_path_factory.mktemp("hf") / name
+        model.save_pretrained(out)
+        for file in TOKENIZER_FILES:
+            shutil.copy(tiny_model_dir / file, out / file)
+        made[name] = out
+        return out
+
+    return build
