@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, processors
+from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
 from .make_model_corpus import CORPUS_VERSION, train_bpe
@@ -111,6 +111,12 @@ _DTYPES: dict[str, torch.dtype] = {
 # Llama-style vocabularies put <s>/</s> at ids 1/2, as Llama checkpoints (and config defaults) do.
 _LLAMA_SPECIAL_TOKENS = ("<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 _QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# transformers 5 rebuilds Qwen2 tokenizers with this regex and NFC (ignoring tokenizer.json's
+# pre-tokenizer), so a qwen2 model must be trained and saved with exactly these to agree with it.
+_QWEN_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -145,8 +151,21 @@ def build_tokenizer(preset_name: str, arch: str, seed: int = 0) -> Tokenizer:
     cache_file = _cache_dir() / f"{preset_name}-{style}-v{preset.vocab_size}-c{CORPUS_VERSION}-s{seed}.json"
     if cache_file.is_file():
         return Tokenizer.from_file(str(cache_file))
+    pre_tokenizer, normalizer = None, None
+    if style == "qwen":
+        split = pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
+        pre_tokenizer = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        normalizer = normalizers.NFC()
     tokenizer = train_bpe(
-        preset.vocab_size, special_tokens, seed, preset.num_corpus_words, preset.num_corpus_sentences
+        preset.vocab_size,
+        special_tokens,
+        seed,
+        preset.num_corpus_words,
+        preset.num_corpus_sentences,
+        pre_tokenizer=pre_tokenizer,
+        normalizer=normalizer,
     )
     if style == "qwen":
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)

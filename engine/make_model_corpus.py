@@ -7,7 +7,8 @@ byte-level BPE to learn realistic merges, without reading any file or network re
 Invariants:
 - The output depends only on (`seed`, `num_words`, `num_sentences`) and `CORPUS_VERSION`, through
   Python's `random.Random` (Mersenne Twister, stable across platforms and CPython versions).
-  Change `CORPUS_VERSION` whenever the output changes, since cached tokenizers are keyed on it.
+  Bump `CORPUS_VERSION` whenever the corpus or the tokenizer recipe changes: cached tokenizers are
+  keyed on it.
 - Every lexicon word appears at least once (a glossary section), so the number of distinct
   pre-tokens, and hence the number of reachable merges, grows with `num_words`.
 """
@@ -18,9 +19,9 @@ import random
 from collections.abc import Iterator
 from itertools import accumulate
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 _MAX_CORPUS_GROWTH_STEPS = 6
 
 # fmt: off
@@ -138,15 +139,25 @@ def generate_corpus(seed: int, num_words: int, num_sentences: int) -> Iterator[s
 
 
 def train_bpe(
-    vocab_size: int, special_tokens: tuple[str, ...], seed: int, num_words: int, num_sentences: int
+    vocab_size: int,
+    special_tokens: tuple[str, ...],
+    seed: int,
+    num_words: int,
+    num_sentences: int,
+    pre_tokenizer: pre_tokenizers.PreTokenizer | None = None,
+    normalizer: normalizers.Normalizer | None = None,
 ) -> Tokenizer:
     """Byte-level BPE of exactly `vocab_size` tokens (special tokens first, at ids 0..k-1).
 
     The corpus doubles until training reaches the size: too few distinct words cap the merges.
+    `pre_tokenizer` defaults to GPT-2's ByteLevel; merges are learned within its pieces, so the
+    tokenizer must be used with the same pre-tokenizer (and `normalizer`) it was trained with.
     """
     for _ in range(_MAX_CORPUS_GROWTH_STEPS):
         tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if normalizer is not None:
+            tokenizer.normalizer = normalizer
         tokenizer.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
