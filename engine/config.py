@@ -67,12 +67,15 @@ class ModelConfig:
         num_kv_heads = _positive_int(raw, "num_key_value_heads", source, default=num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
-                f"{source}: num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+                f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
             )
         head_dim = raw.get("head_dim")
         if head_dim is None:
             if hidden % num_heads:
-                raise ValueError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads})")
+                raise ValueError(
+                    f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({num_heads})"
+                )
             head_dim = hidden // num_heads
         head_dim = _positive_int({"head_dim": head_dim}, "head_dim", source)
         if raw.get("hidden_act", "silu") != "silu":

@@ -56,7 +56,9 @@ def resolve(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
         try:
             device = torch.device(config.device)
         except RuntimeError as err:
-            raise ValueError(f"device {config.device!r} is not a torch device; use 'auto', 'cpu' or 'cuda[:N]'") from err
+            raise ValueError(
+                f"device {config.device!r} is not a torch device; use 'auto', 'cpu' or 'cuda[:N]'"
+            ) from err
     dtype = model.torch_dtype if config.dtype == "auto" else DTYPES[config.dtype]
     max_model_len = config.max_model_len or model.max_position_embeddings
     if max_model_len > model.max_position_embeddings:
@@ -79,5 +81,6 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> N
     if num_blocks * block_size < max_model_len:
         raise ValueError(
             f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-            f"fewer than max_model_len={max_model_len}; raise num_kv_blocks (or the memory budget) or lower max_model_len"
+            f"fewer than max_model_len={max_model_len}; "
+            "raise num_kv_blocks (or the memory budget) or lower max_model_len"
         )

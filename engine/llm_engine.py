@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -45,12 +46,18 @@ class _Tracked:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if not Path(config.model).is_dir():
+            raise FileNotFoundError(f"model folder {config.model} does not exist")
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
         model_config = ModelConfig.from_pretrained(config.model)
         self.resolved: ResolvedConfig = resolve(config, model_config)
         rc = self.resolved
         self.model, self.model_config = load_model(
-            config.model, dtype=rc.dtype, device=rc.device, max_positions=rc.max_model_len, show_progress=config.show_progress
+            config.model,
+            dtype=rc.dtype,
+            device=rc.device,
+            max_positions=rc.max_model_len,
+            show_progress=config.show_progress,
         )
         self.max_model_len = rc.max_model_len
         num_blocks = rc.num_kv_blocks or self._size_kv_cache()
@@ -68,7 +75,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         logger.info(
-            "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, budget=%d tokens/step, device=%s",
+            "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
+            "budget=%d tokens/step, device=%s",
             num_blocks, config.block_size, rc.max_model_len, config.max_num_seqs, rc.max_num_batched_tokens, rc.device,
         )  # fmt: skip
 
@@ -207,7 +215,9 @@ class LLMEngine:
         if rc.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(rc.device)
             # Keep headroom for activations: one full step's logits and hidden states, doubled.
-            activations = 2 * rc.max_num_batched_tokens * (self.model_config.vocab_size + 8 * self.model_config.hidden_size) * 4
+            activations = (
+                2 * rc.max_num_batched_tokens * (self.model_config.vocab_size + 8 * self.model_config.hidden_size) * 4
+            )
             budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
         else:
             budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES

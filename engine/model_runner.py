@@ -40,7 +40,10 @@ class ModelRunner:
         self.sampler = sampler
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=config.torch_dtype, device=device), torch.zeros(shape, dtype=config.torch_dtype, device=device))
+            (
+                torch.zeros(shape, dtype=config.torch_dtype, device=device),
+                torch.zeros(shape, dtype=config.torch_dtype, device=device),
+            )
             for _ in range(config.num_hidden_layers)
         ]
 
@@ -91,7 +94,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_seqs=len(decode_tables),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(len(padded), max_blocks),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(
+                len(padded), max_blocks
+            ),
             decode_mask=decode_mask,
             prefills=prefills,
         )

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams
 
@@ -68,10 +67,10 @@ def test_batched_greedy_matches_transformers(variant: str, hf_model_dir: Callabl
 
 
 @pytest.mark.parametrize("variant", ["llama-gqa", "mistral-window", "qwen2-tied"])
-@pytest.mark.parametrize(
-    ("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)]
-)
-def test_prompt_logits_close(variant: str, dtype: torch.dtype, tolerance: float, hf_model_dir: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_prompt_logits_close(
+    variant: str, dtype: torch.dtype, tolerance: float, hf_model_dir: Callable[[str], Path]
+) -> None:
     path = hf_model_dir(variant)
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     llm = LLM(str(path), dtype=name, show_progress=False, num_kv_blocks=64)
@@ -89,7 +88,7 @@ def test_prefix_caching_shared_prefixes(variant: str, hf_model_dir: Callable[[st
     path = hf_model_dir(variant)
     shared = _prompts(3, [37])[0]  # crosses two block boundaries with block_size 16
     suffixes = _prompts(4, [1, 5, 16, 29, 40, 3, 11, 60])
-    prompts = [shared + s for s in suffixes] + [shared[:16], shared[:32] + [7]]
+    prompts = [shared + s for s in suffixes] + [shared[:16], [*shared[:32], 7]]
     llm = LLM(str(path), show_progress=False, block_size=16)
     first = llm.generate(prompts, _greedy(), use_tqdm=False)
     second = llm.generate(prompts, _greedy(), use_tqdm=False)  # everything cached now

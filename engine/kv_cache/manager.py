@@ -14,8 +14,8 @@ tokens, as vLLM reports them.
 
 from __future__ import annotations
 
-from .block_pool import BlockPool, KVBlock
 from ..request import Request
+from .block_pool import BlockPool, KVBlock
 
 
 class KVCacheManager:

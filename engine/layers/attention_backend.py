@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from .attention_metadata import AttentionMetadata
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
@@ -76,7 +78,9 @@ def _decode(
     return attn.squeeze(2)
 
 
-def build_decode_mask(seq_lens: list[int], num_key_slots: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def build_decode_mask(
+    seq_lens: list[int], num_key_slots: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
     """Key positions each decode query may see: [0, seq_len) minus anything outside the window."""
     lens = torch.tensor(seq_lens, device=device).unsqueeze(1)
     positions = torch.arange(num_key_slots, device=device).unsqueeze(0)

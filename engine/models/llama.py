@@ -39,7 +39,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dt, device=device)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dt, device=device) if config.attention_bias else None
+        self.qkv_bias = (
+            _param(self.q_size + 2 * self.kv_size, dtype=dt, device=device) if config.attention_bias else None
+        )
         self.o_weight = _param(config.hidden_size, self.q_size, dtype=dt, device=device)
         self.o_bias = _param(config.hidden_size, dtype=dt, device=device) if config.o_proj_bias else None
 
@@ -98,7 +100,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu", max_positions: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", max_positions: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         dt = config.torch_dtype
@@ -110,9 +114,15 @@ class LlamaForCausalLM(nn.Module):
             device,
         )
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary, device) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dt, device)
-        self.lm_head = None if config.tie_word_embeddings else _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
+        )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -43,7 +43,9 @@ def safetensors_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in model folder {path}")
 
 
-def iter_weights(files: list[Path], dtype: torch.dtype, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    files: list[Path], dtype: torch.dtype, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     total = 0
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -75,5 +77,7 @@ def load_model(
     model.load_weights(iter_weights(files, config.torch_dtype, show_progress))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s from %s: %.1fM parameters, %s", config.architecture, folder, num_params / 1e6, config.torch_dtype)
+    logger.info(
+        "loaded %s from %s: %.1fM parameters, %s", config.architecture, folder, num_params / 1e6, config.torch_dtype
+    )
     return model, config

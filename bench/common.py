@@ -1,0 +1,86 @@
+"""Shared pieces of the benchmarks: cached benchmark models, seeded workloads, memory bandwidth, MBU.
+
+MBU (model bandwidth utilisation) = bytes a decode step must read (weights + KV cache) /
+step time / peak bandwidth, where the peak is the copy bandwidth measured in the same run
+(read + write bytes of a buffer far larger than the last-level cache).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TIDEPOOL_CACHE", Path.home() / ".cache" / "tidepool"))
+
+
+def bench_model(arch: str = "llama", preset: str = "smollm-135m", seed: int = 0) -> Path:
+    """Make (once) and return a seeded random model folder kept in the cache outside the clone."""
+    from tidepool.engine.make_model import make_model
+
+    path = cache_dir() / "models" / f"{arch}-{preset}-seed{seed}"
+    if not (path / "config.json").is_file():
+        make_model(arch, preset, path, seed=seed)
+    return path
+
+
+@dataclass(slots=True)
+class WorkItem:
+    prompt_token_ids: list[int]
+    num_output_tokens: int
+
+
+def random_workload(
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    first_id: int = 3,
+) -> list[WorkItem]:
+    rng = random.Random(seed)
+    return [
+        WorkItem(
+            [rng.randrange(first_id, vocab_size) for _ in range(rng.randint(*input_len))],
+            rng.randint(*output_len),
+        )
+        for _ in range(num_requests)
+    ]
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-N copy bandwidth in bytes/s, counting the read and the write."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def decode_bytes_per_step(
+    model: torch.nn.Module,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    context_len: int,
+    embedding_rows_read: int | None = None,
+) -> int:
+    """Weight bytes (an untied embedding table only for the rows looked up) + KV bytes read at this context."""
+    total = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if embedding_rows_read is not None and "embed_tokens" in name:
+            size = embedding_rows_read * param.shape[1] * param.element_size()
+        total += size
+    element = next(model.parameters()).element_size()
+    return total + 2 * num_layers * context_len * num_kv_heads * head_dim * element

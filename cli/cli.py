@@ -1,0 +1,92 @@
+"""The `tidepool` console script: one entry point, a subcommand per tool.
+
+Subcommands import their implementation lazily, so `tidepool --help` stays fast and the
+operator's commands never pull in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from tidepool.engine.make_model import make_model
+
+    path = make_model(args.arch, args.preset, args.out, seed=args.seed, dtype=args.dtype, num_shards=args.shards)
+    print(f"wrote {args.arch} {args.preset} model to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tidepool.engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
+    )
+    prompts = args.prompt or ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        print(f"--- prompt: {prompt!r} ({len(output.prompt_token_ids)} tokens)")
+        print(f"    output: {completion.text!r}")
+        print(f"    {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidepool", description="LLM inference on Kubernetes")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    mm = sub.add_parser("make-model", help="write a seeded random model in Hugging Face format")
+    mm.add_argument("--arch", required=True, choices=["llama", "mistral", "qwen2"])
+    mm.add_argument("--preset", required=True, choices=["tiny", "small", "smollm-135m"])
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mm.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
+    mm.add_argument("out", help="output folder")
+    mm.set_defaults(func=_make_model)
+
+    gen = sub.add_parser("generate", help="offline generation with the engine (the demo)")
+    gen.add_argument("--model", required=True, help="local Hugging Face model folder")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a chat message")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--max-num-seqs", type=int, default=256)
+    gen.add_argument("--no-prefix-caching", action="store_true")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"tidepool {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

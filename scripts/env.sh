@@ -1,0 +1,22 @@
+# Sourced by the other scripts: make (once) and activate Tidepool's Python environment.
+#
+# The virtual environment lives outside the clone, keyed on the dependency spec
+# (pyproject.toml + scripts/constraints.txt), so every clone and CI run on one machine reuses
+# the multi-GB torch install; only `pip install -e .` (seconds) is redone, pointing the
+# environment at the current clone. Sets $PY.
+set -euo pipefail
+TIDEPOOL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export TIDEPOOL_CACHE="${TIDEPOOL_CACHE:-$HOME/.cache/tidepool}"
+_key="$(cat "$TIDEPOOL_ROOT/pyproject.toml" "$TIDEPOOL_ROOT/setup.py" "$TIDEPOOL_ROOT/scripts/constraints.txt" | sha256sum | cut -c1-16)"
+TIDEPOOL_VENV="$TIDEPOOL_CACHE/venv-$_key"
+if [[ ! -f "$TIDEPOOL_VENV/.complete" ]]; then
+  echo "== creating Python environment $TIDEPOOL_VENV (first run on this machine: a few minutes)"
+  rm -rf "$TIDEPOOL_VENV"
+  python3 -m venv "$TIDEPOOL_VENV"
+  "$TIDEPOOL_VENV/bin/pip" install --quiet --upgrade pip "setuptools>=70"
+  "$TIDEPOOL_VENV/bin/pip" install --quiet -c "$TIDEPOOL_ROOT/scripts/constraints.txt" -e "$TIDEPOOL_ROOT[test,bench]"
+  touch "$TIDEPOOL_VENV/.complete"
+fi
+"$TIDEPOOL_VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$TIDEPOOL_ROOT" >/dev/null
+PY="$TIDEPOOL_VENV/bin/python"
+export PATH="$TIDEPOOL_VENV/bin:$PATH"
