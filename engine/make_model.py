@@ -365,6 +365,8 @@ def _write_weights(
                 total_bytes += tensors[name].numel() * tensors[name].element_size()
                 progress.update(values.numel())
             save_file(tensors, str(out / filename), metadata={"format": "pt"})
+            # safetensors creates files 0600; an engine running as another user (a pod) must read them.
+            (out / filename).chmod(0o644)
             del tensors
     if num_shards > 1:
         index_data = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
