@@ -28,6 +28,7 @@ from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .stats import EngineStats, RequestMetrics
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_blocks, self.sampler, rc.device)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
+        self.last_stats = self._stats_with()
         logger.info(
             "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
             "budget=%d tokens/step, device=%s",
@@ -139,15 +141,49 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def get_stats(self) -> EngineStats:
+        return self._stats_with()
+
+    def _stats_with(self, **step: float) -> EngineStats:
+        kv = self.kv_cache
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_kv_blocks=kv.pool.num_blocks,
+            block_size=kv.block_size,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            **step,
+        )
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduled forward pass; returns an output for every request that produced a token."""
+        start = time.monotonic()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        num_prompt_tokens = sum(
+            max(
+                0,
+                min(seq.num_computed_tokens + seq.num_new_tokens, seq.request.num_prompt_tokens)
+                - seq.num_computed_tokens,
+            )
+            for seq in sched_out.scheduled
+        )
         runner_out = self.runner.execute(sched_out)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
         now = time.monotonic()
+        self.last_stats = self._stats_with(
+            step_num_batched_tokens=sched_out.num_batched_tokens,
+            step_num_prompt_tokens=num_prompt_tokens,
+            step_num_generation_tokens=len(runner_out.sampled_token_ids),
+            step_num_preemptions=sched_out.num_preemptions,
+            step_duration_s=now - start,
+        )
         outputs: list[RequestOutput] = []
         stopped_by_text: list[str] = []
         for seq in sched_out.scheduled:
@@ -158,6 +194,7 @@ class LLMEngine:
             tracked = self._tracked[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
+            request.last_token_time = now
             entry = runner_out.logprobs.get(request.request_id)
             if entry is not None and tracked.logprobs is not None:
                 sampled_lp, top = entry
@@ -193,6 +230,17 @@ class LLMEngine:
             logprobs=tracked.logprobs,
             cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
         )
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            last_token_time=request.last_token_time,
+            finished_time=request.finished_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )
         return RequestOutput(
             request_id=request.request_id,
             prompt=tracked.prompt,
@@ -200,10 +248,12 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
         )
 
     def _finish_output(self, request: Request) -> RequestOutput:
         tracked = self._tracked.pop(request.request_id)
+        request.finished_time = time.monotonic()
         tracked.detokenizer.finish()
         self.sampler.release(request.request_id)
         return self._output(tracked, finished=True)

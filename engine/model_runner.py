@@ -91,6 +91,11 @@ class ModelRunner:
         padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
         if decode_tables:
             decode_mask = build_decode_mask(decode_lens, max_blocks * bs, window, self.device)
+        scratch = None
+        if decode_tables and self.device.type == "cpu":
+            shape = (len(padded) * max_blocks, *self.kv_caches[0][0].shape[1:])
+            dtype = self.config.torch_dtype
+            scratch = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_seqs=len(decode_tables),
@@ -98,6 +103,7 @@ class ModelRunner:
                 len(padded), max_blocks
             ),
             decode_mask=decode_mask,
+            decode_kv_scratch=scratch,
             prefills=prefills,
         )
         hidden = self.model(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .stats import RequestMetrics
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -29,3 +31,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None  # monotonic timestamps and counts, for the server's metrics

@@ -52,6 +52,8 @@ class Request:
     # Timestamps (monotonic seconds) for metrics; filled by the engine, never read by the scheduler.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -70,8 +70,13 @@ def _decode(
     num_seqs, max_blocks = meta.decode_block_tables.shape
     flat = meta.decode_block_tables.reshape(-1)
     shape = (num_seqs, max_blocks * k_cache.shape[1], k_cache.shape[2], k_cache.shape[3])
-    keys = k_cache.index_select(0, flat).view(shape).transpose(1, 2)
-    values = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    if meta.decode_kv_scratch is None:
+        keys, values = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    else:
+        keys, values = meta.decode_kv_scratch
+        torch.index_select(k_cache, 0, flat, out=keys)
+        torch.index_select(v_cache, 0, flat, out=values)
+    keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
     attn = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )

@@ -27,6 +27,9 @@ class AttentionMetadata:
     num_decode_seqs: int  # the first num_decode_seqs tokens are decodes, one per sequence
     decode_block_tables: torch.Tensor  # int64 [num_decode_seqs, max_blocks] (padded with block 0)
     decode_mask: torch.Tensor | None  # bool [num_decode_seqs, 1, 1, max_blocks * block_size]
+    # Scratch for the torch path's gathered decode K/V, allocated once per step and reused by every
+    # layer (a fresh large tensor per layer costs page faults that dwarf the copy itself).
+    decode_kv_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Kernel-facing views over all sequences (decodes then prefills).
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
