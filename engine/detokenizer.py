@@ -47,12 +47,12 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | None = (),
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._backend = tokenizer.backend
-        self.stop: tuple[str, ...] = tuple(s for s in stop if s)
+        self.stop: tuple[str, ...] = tuple(s for s in stop or () if s)
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         context = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
