@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams
 
