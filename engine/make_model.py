@@ -242,9 +242,7 @@ def _split_shards(specs: list[_TensorSpec], num_shards: int) -> list[range]:
     return [range(bounds[i], bounds[i + 1]) for i in range(num_shards)]
 
 
-def _config(
-    arch: str, preset: Preset, tie: bool, dtype: str, bos_id: int | None, eos_id: int
-) -> dict[str, Any]:
+def _config(arch: str, preset: Preset, tie: bool, dtype: str, bos_id: int | None, eos_id: int) -> dict[str, Any]:
     # The classic (transformers 4.x / Hub) field set: rope_theta + rope_scaling rather than the
     # rope_parameters that transformers 5 writes, because that is what real checkpoints carry.
     config: dict[str, Any] = {
@@ -275,9 +273,7 @@ def _config(
     elif arch == "mistral":
         config["sliding_window"] = None
     else:
-        config.update(
-            sliding_window=None, use_sliding_window=False, max_window_layers=preset.num_hidden_layers
-        )
+        config.update(sliding_window=None, use_sliding_window=False, max_window_layers=preset.num_hidden_layers)
     return dict(sorted(config.items()))
 
 
@@ -356,10 +352,8 @@ def _write_weights(
                 name, shape, kind = specs[index]
                 # Drawn in float32 and cast, so every dtype holds (a rounding of) the same values.
                 values = torch.randn(shape, generator=generator, dtype=torch.float32)
-                if kind == "norm":
-                    values = 1.0 + _NORM_NOISE_STD * values
-                else:
-                    values = values * preset.initializer_range
+                scale = _NORM_NOISE_STD if kind == "norm" else preset.initializer_range
+                values = values * scale + (1.0 if kind == "norm" else 0.0)
                 tensors[name] = values.to(dtype).contiguous()
                 weight_map[name] = filename
                 total_bytes += tensors[name].numel() * tensors[name].element_size()

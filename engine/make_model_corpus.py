@@ -103,8 +103,7 @@ def _code_line(rng: random.Random, sample: list[str]) -> str:
         f"{indent}return {a}.{b}({c}) + {rng.randrange(100)}",
         f"{indent}if {a} == {b}:",
         f"{indent}for {a} in range({rng.randrange(1, 64)}):",
-        f'{indent}{a}_{b} = {{"{c}": {rng.randrange(1000)}, '
-        f'"{b}": [{rng.randrange(9)}, {rng.randrange(9)}]}}',
+        f'{indent}{a}_{b} = {{"{c}": {rng.randrange(1000)}, "{b}": [{rng.randrange(9)}, {rng.randrange(9)}]}}',
         f"{indent}{rng.choice(_KEYWORDS)} {a}({b}, {c});",
         f"import {a}.{b} as {c}",
         f"{indent}// {a} {b} {c}",

@@ -121,9 +121,7 @@ def _strftime_now(format: str) -> str:
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     """Compiles once per template string; untrusted Hub templates only ever run in the sandbox."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -180,9 +178,7 @@ class Tokenizer:
         self.extra_special_tokens: list[str] = [t for t in extra_tokens if t is not None]
         # transformers adds configured special tokens that tokenizer.json lacks; ids must agree with it.
         missing = [
-            t
-            for t in [*self.special_tokens.values(), *self.extra_special_tokens]
-            if backend.token_to_id(t) is None
+            t for t in [*self.special_tokens.values(), *self.extra_special_tokens] if backend.token_to_id(t) is None
         ]
         if missing:
             backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
@@ -272,8 +268,7 @@ class Tokenizer:
         if "default" in self._chat_templates:
             return self._chat_templates["default"]
         raise ValueError(
-            "Model has several chat templates and none is named 'default'; "
-            f"pick one of {sorted(self._chat_templates)}"
+            f"Model has several chat templates and none is named 'default'; pick one of {sorted(self._chat_templates)}"
         )
 
     def apply_chat_template(
@@ -291,6 +286,4 @@ class Tokenizer:
         template = _compile_template(source)
         variables: dict[str, Any] = {**self.special_tokens, **kwargs}
         variables.setdefault("documents", None)
-        return template.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)

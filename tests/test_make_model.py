@@ -94,9 +94,7 @@ def test_config_fields(tiny_dirs: dict[str, Path], arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sharded_equals_unsharded(
-    tiny_dirs: dict[str, Path], tmp_path: Path, cache_env: Path, arch: str
-) -> None:
+def test_sharded_equals_unsharded(tiny_dirs: dict[str, Path], tmp_path: Path, cache_env: Path, arch: str) -> None:
     folder = make_model(arch, "tiny", tmp_path / "sharded", seed=0, num_shards=3)
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]

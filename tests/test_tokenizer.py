@@ -147,9 +147,7 @@ def test_special_ids_and_vocab(model_dirs: dict[str, Path]) -> None:
     qwen = Tokenizer.from_pretrained(model_dirs["qwen2"])
     assert qwen.bos_token_id is None
     assert qwen.encode("x") == qwen.encode("x", add_special_tokens=False)
-    assert qwen.eos_token_ids == frozenset(
-        {qwen.token_to_id("<|im_end|>"), qwen.token_to_id("<|endoftext|>")}
-    )
+    assert qwen.eos_token_ids == frozenset({qwen.token_to_id("<|im_end|>"), qwen.token_to_id("<|endoftext|>")})
     assert set(qwen.all_special_ids) == set(_hf_tokenizer(model_dirs["qwen2"]).all_special_ids)
 
 
@@ -169,14 +167,10 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(
-    pair: tuple[Tokenizer, object], add_generation_prompt: bool
-) -> None:
+def test_chat_template_matches_transformers(pair: tuple[Tokenizer, object], add_generation_prompt: bool) -> None:
     ours, hf = pair
     for messages in CONVERSATIONS:
-        expected = hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
     assert ours.apply_chat_template(CONVERSATIONS[0]).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
@@ -192,9 +186,7 @@ def test_rich_template_from_jinja_file(model_dirs: dict[str, Path], tmp_path: Pa
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": "ü <b>"}}}]
     for messages in CONVERSATIONS:
         for tool_list in (None, tools):
-            expected = hf.apply_chat_template(
-                messages, tools=tool_list, tokenize=False, add_generation_prompt=True
-            )
+            expected = hf.apply_chat_template(messages, tools=tool_list, tokenize=False, add_generation_prompt=True)
             assert ours.apply_chat_template(messages, tools=tool_list) == expected
     bad = [{"role": "robot", "content": "x"}]
     with pytest.raises(Exception, match="bad role robot"):
@@ -207,9 +199,7 @@ def test_named_templates(model_dirs: dict[str, Path], tmp_path: Path) -> None:
     folder = _variant(model_dirs["llama"], tmp_path / "m", {"chat_template": named}, {})
     ours, hf = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
     messages = CONVERSATIONS[0]
-    assert (
-        ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False) == "DHi there!"
-    )
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages, tokenize=False) == "DHi there!"
     tools = [{"name": "a"}, {"name": "b"}]
     assert ours.apply_chat_template(messages, tools=tools) == "T2"
     assert ours.apply_chat_template(messages, chat_template="tool_use", tools=[]) == "T0"
