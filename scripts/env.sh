@@ -18,5 +18,7 @@ if [[ ! -f "$TIDEPOOL_VENV/.complete" ]]; then
   touch "$TIDEPOOL_VENV/.complete"
 fi
 "$TIDEPOOL_VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$TIDEPOOL_ROOT" >/dev/null
+# Run tools by their entry points (pytest, ruff, tidepool), never `python -m` from the repo root:
+# the current directory would go first on sys.path and `operator/` would shadow the standard library.
 PY="$TIDEPOOL_VENV/bin/python"
 export PATH="$TIDEPOOL_VENV/bin:$PATH"

@@ -18,9 +18,9 @@ else
 fi
 
 echo "== ruff"
-"$PY" -m ruff check .
+ruff check .
 echo "== pytest: engine, kernels, models (not control plane)"
-"$PY" -m pytest -m "not controlplane" "$@"
+pytest -m "not controlplane" "$@"
 
 if [[ -n "$build_pid" ]]; then
   echo "== waiting for the control-plane build"
@@ -33,4 +33,4 @@ fi
 TIDEPOOL_K8S_BIN_DIR="$(bash e2e/controlplane/build.sh --print-bin-dir)"
 export TIDEPOOL_K8S_BIN_DIR
 echo "== pytest: real control plane ($TIDEPOOL_K8S_BIN_DIR)"
-"$PY" -m pytest -m controlplane "$@"
+pytest -m controlplane "$@"
