@@ -47,6 +47,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from tidepool.engine.server.cli import main as serve_main
+
+    return serve_main(args.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidepool", description="LLM inference on Kubernetes")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -75,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-num-seqs", type=int, default=256)
     gen.add_argument("--no-prefix-caching", action="store_true")
     gen.set_defaults(func=_generate)
+
+    # `serve` parses its own flags (tidepool.engine.server.cli), so they live next to the server and
+    # importing them stays lazy; prefix_chars="\0" hands every argument through untouched.
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `tidepool serve --help`)",
+                        add_help=False, prefix_chars="\0")  # fmt: skip
+    sv.add_argument("args", nargs=argparse.REMAINDER)
+    sv.set_defaults(func=_serve)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""The metrics contract: vLLM's Prometheus metric names, shared by the engine server and the operator.
+
+Torch-free and import-free on purpose: the operator image has no torch, yet its autoscaler
+reads these exact names from every engine pod's `/metrics`. Names and meanings follow vLLM
+(V1), so dashboards, KEDA scalers and gateways built for vLLM work unchanged.
+
+Invariants:
+- The constants are the metric *family* names as registered with `prometheus_client` (and as
+  vLLM registers them). A counter family `X` is exposed as the sample `X_total`; a histogram
+  family `X` as `X_bucket`, `X_sum` and `X_count`. `sample_total()` gives the counter sample
+  name that PromQL and scrapers see (e.g. `vllm:prompt_tokens_total`).
+- Every metric carries the label `MODEL_NAME_LABEL`; `REQUEST_SUCCESS` also carries
+  `FINISHED_REASON_LABEL` ("stop", "length" or "abort").
+- Timestamps behind the histograms come from the engine's monotonic clock, in seconds.
+"""
+
+from __future__ import annotations
+
+MODEL_NAME_LABEL = "model_name"
+FINISHED_REASON_LABEL = "finished_reason"
+
+# Gauges
+NUM_REQUESTS_RUNNING = "vllm:num_requests_running"  # requests in the running batch
+NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"  # requests queued for their (first or resumed) schedule
+KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # fraction (0..1) of KV blocks held by live requests
+CACHE_CONFIG_INFO = "vllm:cache_config_info"  # value 1; the KV cache configuration in its labels
+
+# Counters (exposed with a `_total` suffix)
+PROMPT_TOKENS = "vllm:prompt_tokens"  # prompt tokens of requests that produced their first token
+GENERATION_TOKENS = "vllm:generation_tokens"  # tokens generated
+REQUEST_SUCCESS = "vllm:request_success"  # finished requests, by finished_reason
+NUM_PREEMPTIONS = "vllm:num_preemptions"  # preemptions by the scheduler
+PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # prompt tokens looked up in the prefix cache
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # of those, tokens found
+
+# Histograms
+TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"  # arrival -> first token
+INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"  # between consecutive tokens of a request
+E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"  # arrival -> finished
+REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"  # arrival -> first scheduled
+REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
+REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"  # first token -> last token
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"  # prompt length per finished request
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"  # generated tokens per finished request
+ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # tokens computed per engine step (a histogram)
+
+GAUGES = (NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_CACHE_USAGE_PERC, CACHE_CONFIG_INFO)
+COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, NUM_PREEMPTIONS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS)
+HISTOGRAMS = (
+    TIME_TO_FIRST_TOKEN_SECONDS,
+    INTER_TOKEN_LATENCY_SECONDS,
+    E2E_REQUEST_LATENCY_SECONDS,
+    REQUEST_QUEUE_TIME_SECONDS,
+    REQUEST_PREFILL_TIME_SECONDS,
+    REQUEST_DECODE_TIME_SECONDS,
+    REQUEST_PROMPT_TOKENS,
+    REQUEST_GENERATION_TOKENS,
+    ITERATION_TOKENS_TOTAL,
+)
+
+
+def sample_total(counter: str) -> str:
+    """The sample name a counter family is scraped as: `vllm:prompt_tokens` -> `vllm:prompt_tokens_total`."""
+    return f"{counter}_total"

@@ -1,0 +1,154 @@
+"""`tidepool serve`: the OpenAI-compatible server's command line, and graceful drain on SIGTERM.
+
+Engine flags mirror `LLM(...)` / `EngineConfig` (vLLM's spelling: `--max-model-len`,
+`--no-enable-prefix-caching`, …). The first SIGTERM or SIGINT drains (readiness false, new
+API calls 503, in-flight requests finish within `--drain-timeout`) and then stops uvicorn;
+the process exits 0. A second signal stops at once. A model that fails to load exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidepool serve", description="OpenAI-compatible server for one model")
+    parser.add_argument("--model", required=True, help="local Hugging Face model folder")
+    engine = parser.add_argument_group("engine (as LLM(...))")
+    engine.add_argument("--tokenizer", default=None, help="tokenizer folder; default: the model folder")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget on CPU")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--seed", type=int, default=0)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", default=None, help="the model id clients use; default: --model")
+    server.add_argument(
+        "--max-queue-len", type=int, default=1024, help="engine requests allowed to wait before new requests get 429"
+    )
+    server.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 429")
+    server.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+    )
+    server.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, value in (("max-queue-len", args.max_queue_len), ("retry-after", args.retry_after)):
+        if value < 0:
+            print(f"tidepool serve: error: --{name} must be >= 0", file=sys.stderr)
+            return 2
+    try:
+        config = _server_config(args)
+    except ValueError as err:
+        print(f"tidepool serve: error: {err}", file=sys.stderr)
+        return 2
+    return serve(config, args.host, args.port, access_log=args.access_log)
+
+
+def _server_config(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from ..engine_config import EngineConfig
+    from .app import ServerConfig
+
+    if not Path(args.model).is_dir():
+        raise ValueError(f"model folder {args.model} does not exist")
+    engine = EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        seed=args.seed,
+        show_progress=False,
+    )
+    return ServerConfig(
+        engine=engine,
+        model_name=args.served_model_name or args.model,
+        max_queue_len=args.max_queue_len,
+        retry_after_s=args.retry_after,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
+    import uvicorn
+
+    from .app import build_app, drain
+
+    app = build_app(config)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn, except that the first SIGTERM/SIGINT drains before stopping (and is not re-raised)."""
+
+        drain_task: asyncio.Task[None] | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if self.drain_task is not None or self.should_exit:
+                super().handle_exit(sig, frame)  # a second signal: stop now
+                return
+            loop = asyncio.get_running_loop()
+            logger.info("signal %d: draining before exit", sig)
+            # Signal handlers run between bytecodes; schedule the drain through the loop, thread-safe.
+            loop.call_soon_threadsafe(self._start_drain, loop)
+
+        def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.drain_task = loop.create_task(self._drain())
+
+        async def _drain(self) -> None:
+            await drain(app)
+            self.should_exit = True
+
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=access_log,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    server = DrainingServer(uv_config)
+
+    def on_fatal() -> None:
+        server.should_exit = True
+
+    app.state.tidepool.on_fatal = on_fatal
+    server.run()
+    if app.state.tidepool.load_error is not None:
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""vLLM's Prometheus metrics for one engine, fed from the engine thread after every step.
+
+Role: turn `EngineStats` (per step) and `RequestOutput.metrics` (per request, monotonic
+timestamps taken inside the engine) into the metrics named in `tidepool.engine.metrics_names`,
+with the meanings vLLM gives them. One private `CollectorRegistry` per server, so tests and
+several servers in one process never share counters.
+
+Invariants:
+- Only the engine thread calls `record_step`/`record_outputs`; prometheus-client's metric
+  objects are thread-safe, so the HTTP thread may render `/metrics` at any time.
+- Every token is counted once: each request's last seen token count is remembered until the
+  request finishes, so prompt tokens and TTFT are recorded at its first token, ITL for each
+  later one, and the per-request histograms once at the end.
+- Cumulative engine counters (preemptions, prefix-cache queries/hits) are exported as deltas
+  of successive snapshots, so the exported counters equal the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .. import metrics_names as names
+from ..outputs import RequestOutput
+from ..stats import EngineStats
+
+# vLLM's buckets, so histograms from Tidepool and vLLM pods can be aggregated together.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, … up to max_value (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(float(value))
+        exponent += 1
+
+
+@dataclass(slots=True)
+class _Seen:
+    num_tokens: int
+    last_token_time: float | None
+
+
+class EngineMetrics:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        cache_config: dict[str, str],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        label = [names.MODEL_NAME_LABEL]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*label, *extra], registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=reg)
+
+        self._running = gauge(names.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
+        self._waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
+        self._kv_usage = gauge(names.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.")
+        info = Gauge(
+            names.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", sorted(cache_config), registry=reg
+        )
+        info.labels(**cache_config).set(1)
+
+        self._prompt_tokens = counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self._generation_tokens = counter(names.GENERATION_TOKENS, "Number of generation tokens processed.")
+        self._success = counter(
+            names.REQUEST_SUCCESS, "Count of successfully processed requests.", (names.FINISHED_REASON_LABEL,)
+        )
+        self._preemptions = counter(names.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.")
+        self._prefix_queries = counter(
+            names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self._prefix_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.")
+
+        self._ttft = histogram(
+            names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self._itl = histogram(
+            names.INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self._e2e = histogram(
+            names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self._queue = histogram(
+            names.REQUEST_QUEUE_TIME_SECONDS,
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self._prefill = histogram(
+            names.REQUEST_PREFILL_TIME_SECONDS,
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self._decode = histogram(
+            names.REQUEST_DECODE_TIME_SECONDS,
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = buckets_1_2_5(max_model_len)
+        self._req_prompt = histogram(names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets)
+        self._req_generation = histogram(
+            names.REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.", token_buckets
+        )
+        self._iteration = histogram(
+            names.ITERATION_TOKENS_TOTAL,
+            "Histogram of number of tokens per engine_step.",
+            [b for b in ITERATION_BUCKETS if b <= max_num_batched_tokens],
+        )
+
+        self.model_name = model_name
+        self._seen: dict[str, _Seen] = {}
+        self._last: EngineStats | None = None
+        # Bind the label once: `.labels()` looks up a dict per call, which adds up per token.
+        for attr in (
+            "_running",
+            "_waiting",
+            "_kv_usage",
+            "_prompt_tokens",
+            "_generation_tokens",
+            "_preemptions",
+            "_prefix_queries",
+            "_prefix_hits",
+            "_ttft",
+            "_itl",
+            "_e2e",
+            "_queue",
+            "_prefill",
+            "_decode",
+            "_req_prompt",
+            "_req_generation",
+            "_iteration",
+        ):
+            setattr(self, attr, getattr(self, attr).labels(model_name))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record_stats(self, stats: EngineStats, num_pending: int = 0) -> None:
+        """Gauges and cumulative counters from a snapshot; `num_pending` are requests not yet handed to the engine."""
+        self._running.set(stats.num_running)
+        self._waiting.set(stats.num_waiting + num_pending)
+        self._kv_usage.set(stats.kv_cache_usage)
+        last = self._last
+        self._preemptions.inc(max(0, stats.num_preemptions_total - (last.num_preemptions_total if last else 0)))
+        self._prefix_queries.inc(max(0, stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)))
+        self._prefix_hits.inc(max(0, stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)))
+        self._last = stats
+
+    def record_step(self, step: EngineStats) -> None:
+        """Per-step numbers of `LLMEngine.last_stats`, once per executed step."""
+        if step.step_num_batched_tokens > 0:
+            self._iteration.observe(step.step_num_batched_tokens)
+
+    def record_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            m = output.metrics
+            if m is None:
+                continue
+            seen = self._seen.get(output.request_id)
+            num_new = m.num_generation_tokens - (seen.num_tokens if seen else 0)
+            if num_new > 0:
+                self._generation_tokens.inc(num_new)
+                if seen is None:
+                    self._prompt_tokens.inc(m.num_prompt_tokens)
+                    if m.first_token_time is not None:
+                        self._ttft.observe(m.first_token_time - m.arrival_time)
+                elif seen.last_token_time is not None and m.last_token_time is not None:
+                    self._itl.observe(m.last_token_time - seen.last_token_time)
+                seen = _Seen(m.num_generation_tokens, m.last_token_time)
+                self._seen[output.request_id] = seen
+            if output.finished:
+                self._seen.pop(output.request_id, None)
+                self._record_finished(output)
+
+    def _record_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        if m is None:
+            return
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self._success.labels(self.model_name, reason or "abort").inc()
+        if m.finished_time is not None:
+            self._e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self._queue.observe(m.first_scheduled_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self._prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self._decode.observe(m.last_token_time - m.first_token_time)
+        self._req_prompt.observe(m.num_prompt_tokens)
+        self._req_generation.observe(m.num_generation_tokens)
