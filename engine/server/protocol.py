@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -223,6 +223,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends `role` only in a choice's first delta; null fields are left out, not sent as null.
+        return {key: value for key, value in handler(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import re
 import time
@@ -27,11 +26,13 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine, Child, EngineDeadError, QueueFullError, RequestStream
+from .logprobs import LogprobFormatter
 from .protocol import (
     APIError,
     AssistantMessage,
@@ -40,15 +41,11 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     SamplingRequest,
-    TokenLogprob,
-    TopLogprob,
     Usage,
 )
 
@@ -64,12 +61,27 @@ class _Job:
     created: int
     prompts: list[list[int]]
     prompt_texts: list[str | None]
-    children: list[Child]
+    n: int
+    children: list[Child] = field(default_factory=list)
     index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
+    finals: dict[str, RequestOutput] = field(default_factory=dict)  # engine request id -> final output
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(out.outputs[0].token_ids) for out in self.finals.values())
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+@dataclass(slots=True)
+class _Delta:
+    """New text of one choice, and the tokens [token_start, token_stop) it came from."""
+
+    index: int
+    completion: CompletionOutput
+    text: str
+    text_offset: int
+    token_start: int
+    token_stop: int
 
 
 class Serving:
@@ -78,7 +90,7 @@ class Serving:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
-        self._token_str = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
+        self.logprobs = LogprobFormatter(tokenizer)
 
     # ---- completions ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -89,32 +101,23 @@ class Serving:
         job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", logprobs=req.logprobs)
         stream = self._submit(job)
         if req.stream:
-            return _sse(self._stream_completion(job, stream, req))
-        finals = await self._collect(stream, raw)
-        if finals is None:
-            return Response(status_code=499)
+            return self._sse(self._stream_completion(job, stream, req), stream)
+        if not await self._collect(job, stream, raw):
+            return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
         for rid, index in job.index_of.items():
-            out = finals[rid]
-            comp = out.outputs[0]
+            comp = job.finals[rid].outputs[0]
             prefix = self._prompt_text(job, index // req.n) if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self._completion_logprobs(comp, 0, len(comp.token_ids), 0, req.logprobs)
+                logprobs = self.logprobs.completion(comp, 0, len(comp.token_ids), 0, req.logprobs)
             choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=prefix + comp.text,
-                    logprobs=logprobs,
-                    finish_reason=comp.finish_reason,
-                    stop_reason=comp.stop_reason,
-                )
-            )
+                CompletionChoice(index=index, text=prefix + comp.text, logprobs=logprobs,
+                                 finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+            )  # fmt: skip
         choices.sort(key=lambda c: c.index)
-        usage = self._usage(job, finals.values())
-        body = CompletionResponse(
-            id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
-        )
+        body = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name, choices=choices,
+                                  usage=job.usage())  # fmt: skip
         return JSONResponse(body.model_dump())
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list, list]:
@@ -129,54 +132,25 @@ class Serving:
         return [list(p) for p in prompt], [None] * len(prompt)
 
     async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
-        sent_chars = dict.fromkeys(job.index_of, 0)
-        sent_tokens = dict.fromkeys(job.index_of, 0)
-        finals: dict[str, RequestOutput] = {}
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return _event(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+                                             choices=choices, usage=usage))  # fmt: skip
 
-        def chunk(index: int, text: str, **kw: Any) -> str:
-            choice = CompletionChoice(index=index, text=text, **kw)
-            return _event(
-                CompletionResponse(id=job.response_id, created=job.created, model=self.model_name, choices=[choice])
-            )
-
-        try:
-            if req.echo:
-                for index in job.index_of.values():
-                    yield chunk(index, self._prompt_text(job, index // req.n))
-            async for out in stream:
-                rid, comp = out.request_id, out.outputs[0]
-                delta = comp.text[sent_chars[rid] :]
-                if not delta and not out.finished:
-                    continue  # tokens whose text is held back: their logprobs go with the next chunk
-                logprobs = None
-                if req.logprobs is not None:
-                    logprobs = self._completion_logprobs(
-                        comp, sent_tokens[rid], len(comp.token_ids), sent_chars[rid], req.logprobs
-                    )
-                sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
-                if out.finished:
-                    finals[rid] = out
-                yield chunk(
-                    job.index_of[rid],
-                    delta,
-                    logprobs=logprobs,
-                    finish_reason=comp.finish_reason,
-                    stop_reason=comp.stop_reason,
-                )
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield _event(
-                    CompletionResponse(
-                        id=job.response_id,
-                        created=job.created,
-                        model=self.model_name,
-                        choices=[],
-                        usage=self._usage(job, finals.values()),
-                    )
-                )
-        except EngineDeadError as err:
-            yield _error_event(err)
-        finally:
-            self._abort_unfinished(stream)
+        if req.echo:
+            for index in job.index_of.values():
+                yield chunk([CompletionChoice(index=index, text=self._prompt_text(job, index // req.n))])
+        async for item in self._deltas(job, stream):
+            if isinstance(item, str):
+                yield item
+                continue
+            comp, logprobs = item.completion, None
+            if req.logprobs is not None:
+                logprobs = self.logprobs.completion(comp, item.token_start, item.token_stop, item.text_offset,
+                                                    req.logprobs)  # fmt: skip
+            yield chunk([CompletionChoice(index=item.index, text=item.text, logprobs=logprobs,
+                                          finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=job.usage())
         yield "data: [DONE]\n\n"
 
     # ---- chat -----------------------------------------------------------------------------------
@@ -198,86 +172,69 @@ class Serving:
         job = self._job("chatcmpl", [prompt], [text], req, max_tokens, "messages", logprobs=num_top)
         stream = self._submit(job)
         if req.stream:
-            return _sse(self._stream_chat(job, stream, req, num_top))
-        finals = await self._collect(stream, raw)
-        if finals is None:
+            return self._sse(self._stream_chat(job, stream, req, num_top), stream)
+        if not await self._collect(job, stream, raw):
             return Response(status_code=499)
         choices = []
         for rid, index in job.index_of.items():
-            comp = finals[rid].outputs[0]
-            logprobs = self._chat_logprobs(comp, 0, len(comp.token_ids), num_top) if num_top is not None else None
+            comp = job.finals[rid].outputs[0]
+            logprobs = self.logprobs.chat(comp, 0, len(comp.token_ids), num_top) if num_top is not None else None
             choices.append(
-                ChatChoice(
-                    index=index,
-                    message=AssistantMessage(content=comp.text),
-                    logprobs=logprobs,
-                    finish_reason=comp.finish_reason,
-                    stop_reason=comp.stop_reason,
-                )
-            )
+                ChatChoice(index=index, message=AssistantMessage(content=comp.text), logprobs=logprobs,
+                           finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+            )  # fmt: skip
         choices.sort(key=lambda c: c.index)
-        body = ChatCompletionResponse(
-            id=job.response_id,
-            created=job.created,
-            model=self.model_name,
-            choices=choices,
-            usage=self._usage(job, finals.values()),
-        )
+        body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+                                      choices=choices, usage=job.usage())  # fmt: skip
         return JSONResponse(body.model_dump())
 
     async def _stream_chat(
         self, job: _Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None
     ) -> AsyncIterator[str]:
-        sent_chars = dict.fromkeys(job.index_of, 0)
-        sent_tokens = dict.fromkeys(job.index_of, 0)
-        finals: dict[str, RequestOutput] = {}
-
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _event(
-                ChatCompletionChunk(
-                    id=job.response_id, created=job.created, model=self.model_name, choices=choices, usage=usage
-                )
-            )
+            return _event(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
+                                              choices=choices, usage=usage))  # fmt: skip
 
-        try:
-            for index in job.index_of.values():
-                yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-            async for out in stream:
-                rid, comp = out.request_id, out.outputs[0]
-                delta = comp.text[sent_chars[rid] :]
-                if not delta and not out.finished:
-                    continue
-                logprobs = None
-                if num_top is not None:
-                    logprobs = self._chat_logprobs(comp, sent_tokens[rid], len(comp.token_ids), num_top)
-                sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
-                if out.finished:
-                    finals[rid] = out
-                yield chunk(
-                    [
-                        ChatChunkChoice(
-                            index=job.index_of[rid],
-                            delta=DeltaMessage(content=delta),
-                            logprobs=logprobs,
-                            finish_reason=comp.finish_reason,
-                            stop_reason=comp.stop_reason,
-                        )
-                    ]
-                )
-            if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], usage=self._usage(job, finals.values()))
-        except EngineDeadError as err:
-            yield _error_event(err)
-        finally:
-            self._abort_unfinished(stream)
+        for index in job.index_of.values():
+            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for item in self._deltas(job, stream):
+            if isinstance(item, str):
+                yield item
+                continue
+            comp, logprobs = item.completion, None
+            if num_top is not None:
+                logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top)
+            yield chunk([ChatChunkChoice(index=item.index, delta=DeltaMessage(content=item.text), logprobs=logprobs,
+                                         finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=job.usage())
         yield "data: [DONE]\n\n"
 
     # ---- shared ---------------------------------------------------------------------------------
+    async def _deltas(self, job: _Job, stream: RequestStream) -> AsyncIterator[_Delta | str]:
+        """Each choice's new text as it becomes safe to send; an SSE error event (a str) if the engine dies."""
+        sent_chars = dict.fromkeys(job.index_of, 0)
+        sent_tokens = dict.fromkeys(job.index_of, 0)
+        try:
+            async for out in stream:
+                rid, comp = out.request_id, out.outputs[0]
+                if out.finished:
+                    job.finals[rid] = out
+                elif len(comp.text) == sent_chars[rid]:
+                    continue  # tokens whose text is held back: their logprobs go with the next chunk
+                yield _Delta(job.index_of[rid], comp, comp.text[sent_chars[rid] :], sent_chars[rid], sent_tokens[rid],
+                             len(comp.token_ids))  # fmt: skip
+                sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
+        except EngineDeadError as err:
+            body = {"error": {"message": str(err), "type": "internal_error", "param": None, "code": "engine_dead"}}
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            self._abort_unfinished(stream)
+
     def _check_common(self, req: SamplingRequest) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise APIError(
-                f"The model `{req.model}` does not exist.", status_code=404, param="model", code="model_not_found"
-            )
+            raise APIError(f"The model `{req.model}` does not exist.", status_code=404, param="model",
+                           code="model_not_found")  # fmt: skip
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -291,7 +248,7 @@ class Serving:
         prompt_param: str,
         logprobs: int | None,
     ) -> _Job:
-        job = _Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, [])
+        job = _Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n)
         limit = self.max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
@@ -310,59 +267,28 @@ class Serving:
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
             for j in range(req.n):
-                params = self._sampling_params(req, max_tokens or limit - len(prompt), logprobs, j)
+                params = _sampling_params(req, max_tokens or limit - len(prompt), logprobs, j)
                 child = Child(f"{job.response_id}-{i}-{j}", prompt, params)
                 job.children.append(child)
                 job.index_of[child.request_id] = i * req.n + j
         return job
 
-    @staticmethod
-    def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
-        try:
-            return SamplingParams(
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0),
-                min_p=req.min_p or 0.0,
-                seed=None if req.seed is None else req.seed + index,
-                presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens,
-                stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                logprobs=logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-            )
-        except ValueError as err:
-            match = _PARAM_IN_MESSAGE.search(str(err))
-            raise APIError(str(err), param=match.group(1) if match else "min_tokens") from err
-
     def _submit(self, job: _Job) -> RequestStream:
         try:
             return self.engine.add(job.children, time.monotonic())
         except QueueFullError as err:
-            raise APIError(
-                str(err),
-                status_code=429,
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(err.retry_after_s)},
-            ) from err
+            raise APIError(str(err), status_code=429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(err.retry_after_s)}) from err  # fmt: skip
         except EngineDeadError as err:
             raise APIError(str(err), status_code=503, type="service_unavailable", code="engine_dead") from err
 
-    async def _collect(self, stream: RequestStream, raw: Request) -> dict[str, RequestOutput] | None:
-        """Final outputs by engine request id; None if the client went away (its requests are aborted)."""
-        finals: dict[str, RequestOutput] = {}
+    async def _collect(self, job: _Job, stream: RequestStream, raw: Request) -> bool:
+        """Wait for every final output (into `job.finals`); False if the client went away (requests aborted)."""
 
         async def consume() -> None:
             async for out in stream:
                 if out.finished:
-                    finals[out.request_id] = out
+                    job.finals[out.request_id] = out
 
         task = asyncio.create_task(consume())
         try:
@@ -371,74 +297,60 @@ class Serving:
                 if done:
                     break
                 if await raw.is_disconnected():
-                    task.cancel()
-                    return None
+                    return False
             try:
                 task.result()
             except EngineDeadError as err:
                 raise APIError(str(err), status_code=500, type="internal_error", code="engine_dead") from err
-            return finals
+            return True
         finally:
             task.cancel()
             self._abort_unfinished(stream)
+
+    def _sse(self, body: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+        async def guarded() -> AsyncIterator[str]:
+            # Starlette cancels or drops this outermost generator when the client disconnects; the inner
+            # generators may then be suspended at a yield and only finalized later, so abort here too.
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                self._abort_unfinished(stream)
+
+        return StreamingResponse(guarded(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def _abort_unfinished(self, stream: RequestStream) -> None:
         if not stream.finished:
             self.engine.abort(set(stream.unfinished_ids))
 
-    @staticmethod
-    def _usage(job: _Job, finals: Any) -> Usage:
-        completion = sum(len(out.outputs[0].token_ids) for out in finals)
-        return Usage(
-            prompt_tokens=job.num_prompt_tokens,
-            completion_tokens=completion,
-            total_tokens=job.num_prompt_tokens + completion,
-        )
-
     def _prompt_text(self, job: _Job, prompt_index: int) -> str:
         text = job.prompt_texts[prompt_index]
         return text if text is not None else self.tokenizer.decode(job.prompts[prompt_index])
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(
-        self, comp: CompletionOutput, start: int, stop: int, offset: int, num_top: int
-    ) -> CompletionLogprobs:
-        result = CompletionLogprobs()
-        for token_id, entry in zip(comp.token_ids[start:stop], (comp.logprobs or [])[start:stop], strict=False):
-            token = self._token_str(token_id)
-            result.tokens.append(token)
-            result.token_logprobs.append(entry.get(token_id))
-            # As vLLM: with logprobs=0 the "top" list still holds the sampled token.
-            top = _top(entry, num_top) if num_top > 0 else [(token_id, entry.get(token_id, float("-inf")))]
-            result.top_logprobs.append({self._token_str(t): lp for t, lp in top})
-            result.text_offset.append(offset)
-            offset += len(token)
-        return result
-
-    def _chat_logprobs(self, comp: CompletionOutput, start: int, stop: int, num_top: int) -> ChatLogprobs:
-        content = []
-        for token_id, entry in zip(comp.token_ids[start:stop], (comp.logprobs or [])[start:stop], strict=False):
-            token = self._token_str(token_id)
-            top = [
-                TopLogprob(token=self._token_str(t), logprob=lp, bytes=list(self._token_str(t).encode()))
-                for t, lp in _top(entry, num_top)
-            ]
-            content.append(
-                TokenLogprob(
-                    token=token,
-                    logprob=entry.get(token_id, float("-inf")),
-                    bytes=list(token.encode()),
-                    top_logprobs=top,
-                )
-            )
-        return ChatLogprobs(content=content)
-
-
-def _top(entry: dict[int, float], num: int) -> list[tuple[int, float]]:
-    # The engine's entry holds the top-n alternatives plus the sampled token (n+1 entries when it is not among them).
-    return sorted(entry.items(), key=lambda item: -item[1])[:num]
+def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=None if req.seed is None else req.seed + index,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ValueError as err:
+        match = _PARAM_IN_MESSAGE.search(str(err))
+        raise APIError(str(err), param=match.group(1) if match else "min_tokens") from err
 
 
 def _message_dict(message: Any) -> dict[str, Any]:
@@ -451,14 +363,5 @@ def _message_dict(message: Any) -> dict[str, Any]:
     return result
 
 
-def _event(body: Any) -> str:
+def _event(body: BaseModel) -> str:
     return f"data: {body.model_dump_json()}\n\n"
-
-
-def _error_event(err: Exception) -> str:
-    body = {"error": {"message": str(err), "type": "internal_error", "param": None, "code": "engine_dead"}}
-    return f"data: {json.dumps(body)}\n\n"
-
-
-def _sse(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
