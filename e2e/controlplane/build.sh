@@ -173,12 +173,22 @@ fi
   go_install helm "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" \
   "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 
-# smoke-check: every binary runs and reports its version
-"$BIN_DIR/kube-apiserver" --version >&2
-"$BIN_DIR/kubectl" version --client >&2
-"$BIN_DIR/etcd" --version | head -1 >&2
-"$BIN_DIR/kwok" --version >&2 || true
-"$BIN_DIR/helm" version --short >&2
+# smoke-check: every binary runs and reports the pinned version (no `| head`: with pipefail
+# the writer's SIGPIPE would fail the build)
+check_version() {  # check_version EXPECTED CMD...
+  local expected="$1" out; shift
+  out="$("$@" 2>&1)" || { echo "FAILED: $* -> $out" >&2; return 1; }
+  grep -qF -- "$expected" <<<"$out" || { echo "FAILED: $* does not report $expected: $out" >&2; return 1; }
+  echo "    ${out%%$'\n'*}" >&2
+}
+echo "==> version check" >&2
+check_version "$K8S_VERSION" "$BIN_DIR/kube-apiserver" --version
+check_version "$K8S_VERSION" "$BIN_DIR/kube-controller-manager" --version
+check_version "$K8S_VERSION" "$BIN_DIR/kube-scheduler" --version
+check_version "$K8S_VERSION" "$BIN_DIR/kubectl" version --client
+check_version "${ETCD_VERSION#v}" "$BIN_DIR/etcd" --version
+check_version "$KWOK_VERSION" "$BIN_DIR/kwok" --version
+check_version "$HELM_VERSION" "$BIN_DIR/helm" version --short
 printf '%s\n' "$KEY" > "$STAMP"
 echo "built all in $((SECONDS - TOTAL_START))s" >&2
 echo "$BIN_DIR"
