@@ -2,7 +2,7 @@
 
 `DevCluster` starts etcd (data on tmpfs, no fsync), kube-apiserver, kube-controller-manager,
 kube-scheduler and kwok from the binaries that `e2e/controlplane/build.sh` caches, with
-fresh certificates (pki.py) and an admin kubeconfig, creates N fake GPU nodes and waits
+fresh certificates (devcluster_pki.py) and an admin kubeconfig, creates N fake GPU nodes and waits
 until the cluster is usable: /readyz is ok, every node is Ready and the `default`
 ServiceAccount exists. `stop()` kills every process group it started and waits for them,
 so no process or listening port stays behind.
@@ -18,12 +18,9 @@ CLI: python e2e/controlplane/devcluster.py up|down|env|status [--nodes N] [--sta
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -34,19 +31,17 @@ from http.client import HTTPSConnection
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pki import SERVICE_CLUSTER_IP_RANGE, make_pki, write_kubeconfig
+import devcluster_procs as procs
+from devcluster_pki import SERVICE_CLUSTER_IP_RANGE, make_pki, write_kubeconfig
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
 KWOK_STAGES = HERE / "kwok-stages.yaml"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler",
-            "kubectl", "kwok", "helm")
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPUS_PER_NODE = 8
 STATE_FILE = "state.json"
-# Stop order: consumers of the API first, etcd last.
-_COMPONENTS = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 
 
 class BinariesMissingError(RuntimeError):
@@ -70,8 +65,7 @@ def find_bin_dir() -> Path:
     if env:
         bin_dir = Path(env)
     else:
-        out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"],
-                             capture_output=True, text=True)
+        out = subprocess.run(["bash", str(BUILD_SCRIPT), "--print-bin-dir"], capture_output=True, text=True)
         if out.returncode != 0:
             raise BinariesMissingError(f"build.sh --print-bin-dir failed: {out.stderr.strip()}")
         bin_dir = Path(out.stdout.strip().splitlines()[-1])
@@ -83,36 +77,6 @@ def find_bin_dir() -> Path:
             "bash e2e/controlplane/build.sh"
         )
     return bin_dir
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening_ports() -> set[int]:
-    """Every TCP port in LISTEN state on this host (from /proc/net/tcp{,6})."""
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A":  # TCP_LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def pid_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _http_ok(url: str) -> bool:
@@ -131,19 +95,26 @@ def _tail(path: Path, num_lines: int = 40) -> str:
 
 def gpu_node(name: str) -> dict:
     """A fake GPU node KWOK will manage: 8 GPUs, NVIDIA GPU-feature-discovery labels."""
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110",
-                 "ephemeral-storage": "1Ti", "nvidia.com/gpu": str(GPUS_PER_NODE)}
+    resources = {
+        "cpu": "64",
+        "memory": "512Gi",
+        "pods": "110",
+        "ephemeral-storage": "1Ti",
+        "nvidia.com/gpu": str(GPUS_PER_NODE),
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {
             "name": name,
-            "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1],
-                            "node.alpha.kubernetes.io/ttl": "0"},
+            "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1], "node.alpha.kubernetes.io/ttl": "0"},
             "labels": {
-                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64", "node-role.kubernetes.io/agent": "",
-                "type": "kwok", "nvidia.com/gpu.present": "true",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "node-role.kubernetes.io/agent": "",
+                "type": "kwok",
+                "nvidia.com/gpu.present": "true",
                 "nvidia.com/gpu.product": GPU_PRODUCT,
                 "nvidia.com/gpu.count": str(GPUS_PER_NODE),
                 "nvidia.com/gpu.memory": "81559",
@@ -151,9 +122,14 @@ def gpu_node(name: str) -> dict:
         },
         "spec": {},
         "status": {
-            "capacity": resources, "allocatable": resources,
-            "nodeInfo": {"architecture": "amd64", "operatingSystem": "linux",
-                         "kubeletVersion": "fake", "kubeProxyVersion": "fake"},
+            "capacity": resources,
+            "allocatable": resources,
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": "fake",
+                "kubeProxyVersion": "fake",
+            },
         },
     }
 
@@ -161,9 +137,14 @@ def gpu_node(name: str) -> dict:
 class DevCluster:
     """One control plane. Use as a context manager, or start() / stop()."""
 
-    def __init__(self, num_nodes: int = 2, state_dir: Path | None = None,
-                 bin_dir: Path | None = None, timeout_s: float = 60.0,
-                 detached: bool = False) -> None:
+    def __init__(
+        self,
+        num_nodes: int = 2,
+        state_dir: Path | None = None,
+        bin_dir: Path | None = None,
+        timeout_s: float = 60.0,
+        detached: bool = False,
+    ) -> None:
         self.detached = detached  # False: components die with this process (PDEATHSIG)
         self.bin_dir = bin_dir or find_bin_dir()
         self.num_nodes = num_nodes
@@ -199,62 +180,90 @@ class DevCluster:
         pki = make_pki(self.state_dir / "pki")
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self.etcd_dir = Path(tempfile.mkdtemp(prefix="tidepool-etcd-", dir=shm))
-        etcd, peer, api = free_port(), free_port(), free_port()
+        etcd, peer, api = procs.free_port(), procs.free_port(), procs.free_port()
         self.ports = {"etcd": etcd, "etcd-peer": peer, "kube-apiserver": api}
         self.server = f"https://127.0.0.1:{api}"
         write_kubeconfig(self.kubeconfig, self.server, pki)
         kc = str(self.kubeconfig)
 
-        self._spawn("etcd", [
-            "--name=tidepool", f"--data-dir={self.etcd_dir}",
-            f"--listen-client-urls=http://127.0.0.1:{etcd}",
-            f"--advertise-client-urls=http://127.0.0.1:{etcd}",
-            f"--listen-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-            f"--initial-cluster=tidepool=http://127.0.0.1:{peer}",
-            "--unsafe-no-fsync", "--log-level=warn",
-        ])
+        self._spawn(
+            "etcd",
+            [
+                "--name=tidepool",
+                f"--data-dir={self.etcd_dir}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd}",
+                f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                f"--initial-cluster=tidepool=http://127.0.0.1:{peer}",
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )
         # The apiserver's etcd client backs off for seconds if etcd is not up yet.
         self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd}/health"))
-        self._spawn("kube-apiserver", [
-            f"--etcd-servers=http://127.0.0.1:{etcd}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-            f"--secure-port={api}",
-            f"--tls-cert-file={pki.apiserver_crt}", f"--tls-private-key-file={pki.apiserver_key}",
-            f"--client-ca-file={pki.ca_crt}",
-            f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-            "--allow-privileged=true", "--authorization-mode=RBAC",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki.sa_pub}",
-            f"--service-account-signing-key-file={pki.sa_key}",
-            # Endpoints may not hold loopback addresses; nothing in-cluster needs them.
-            "--endpoint-reconciler-type=none",
-            "--profiling=false",
-        ])
+        self._spawn(
+            "kube-apiserver",
+            [
+                f"--etcd-servers=http://127.0.0.1:{etcd}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={api}",
+                f"--tls-cert-file={pki.apiserver_crt}",
+                f"--tls-private-key-file={pki.apiserver_key}",
+                f"--client-ca-file={pki.ca_crt}",
+                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+                "--allow-privileged=true",
+                "--authorization-mode=RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki.sa_pub}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                # Endpoints may not hold loopback addresses; nothing in-cluster needs them.
+                "--endpoint-reconciler-type=none",
+                "--profiling=false",
+            ],
+        )
         self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200)
-        self._spawn("kube-controller-manager", [
-            f"--kubeconfig={kc}", "--leader-elect=false", "--secure-port=0",
-            f"--service-account-private-key-file={pki.sa_key}", f"--root-ca-file={pki.ca_crt}",
-            "--profiling=false",
-        ])
-        self._spawn("kube-scheduler", [
-            f"--kubeconfig={kc}", "--leader-elect=false", "--secure-port=0",
-        ])
-        self._spawn("kwok", [
-            f"--kubeconfig={kc}", f"--config={KWOK_STAGES}", "--manage-all-nodes=false",
-            f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
-        ])
+        self._spawn(
+            "kube-controller-manager",
+            [
+                f"--kubeconfig={kc}",
+                "--leader-elect=false",
+                "--secure-port=0",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_crt}",
+                "--profiling=false",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                f"--kubeconfig={kc}",
+                "--leader-elect=false",
+                "--secure-port=0",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                f"--kubeconfig={kc}",
+                f"--config={KWOK_STAGES}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
+            ],
+        )
         for i in range(self.num_nodes):
             status, body = self._request("POST", "/api/v1/nodes", gpu_node(f"kwok-gpu-{i}"))
             if status != 201:
                 raise ClusterStartError(f"creating node kwok-gpu-{i}: HTTP {status} {body}")
         self._wait("kwok", self._nodes_ready)
-        self._wait("kube-controller-manager", lambda: self._get(
-            "/api/v1/namespaces/default/serviceaccounts/default")[0] == 200)
+        self._wait(
+            "kube-controller-manager", lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
+        )
 
     def stop(self) -> None:
         """Kill every process group started here, wait for them, remove tmpfs data."""
-        stop_processes(self.pids, self._procs)
+        procs.stop_processes(self.pids, self._procs)
         self._procs.clear()
         if self.etcd_dir is not None:
             shutil.rmtree(self.etcd_dir, ignore_errors=True)
@@ -262,8 +271,9 @@ class DevCluster:
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     # ---- helpers ---------------------------------------------------------------
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 60) -> subprocess.CompletedProcess:
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """Run kubectl against this cluster; returns the CompletedProcess (text)."""
         cmd = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
         out = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
@@ -278,22 +288,31 @@ class DevCluster:
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
     def env(self) -> dict[str, str]:
-        return {"KUBECONFIG": str(self.kubeconfig),
-                "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+        return {"KUBECONFIG": str(self.kubeconfig), "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
     def state(self) -> dict:
-        return {"kubeconfig": str(self.kubeconfig), "server": self.server,
-                "bin_dir": str(self.bin_dir), "etcd_dir": str(self.etcd_dir),
-                "pids": self.pids, "ports": self.ports,
-                "binaries": {n: str(self.bin_dir / n) for n in self.pids}}
+        return {
+            "kubeconfig": str(self.kubeconfig),
+            "server": self.server,
+            "bin_dir": str(self.bin_dir),
+            "etcd_dir": str(self.etcd_dir),
+            "pids": self.pids,
+            "ports": self.ports,
+            "binaries": {n: os.path.realpath(self.bin_dir / n) for n in self.pids},
+        }
 
     def _spawn(self, name: str, args: list[str]) -> None:
         log = open(self.state_dir / f"{name}.log", "wb")  # noqa: SIM115 (child owns it)
         try:
-            proc = subprocess.Popen([str(self.bin_dir / name), *args], stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, close_fds=True,
-                                    preexec_fn=None if self.detached else _die_with_parent)
+            proc = subprocess.Popen(
+                [str(self.bin_dir / name), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=None if self.detached else procs.die_with_parent,
+            )
         finally:
             log.close()
         self._procs[name] = proc
@@ -306,8 +325,7 @@ class DevCluster:
             for comp, proc in self._procs.items():
                 if proc.poll() is not None:
                     log = self.state_dir / f"{comp}.log"
-                    raise ClusterStartError(
-                        f"{comp} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
+                    raise ClusterStartError(f"{comp} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
             try:
                 if ready():
                     self.timings[name] = round(time.monotonic() - self._t0, 2)
@@ -317,17 +335,19 @@ class DevCluster:
             if time.monotonic() > deadline:
                 log = self.state_dir / f"{name}.log"
                 raise ClusterStartError(
-                    f"timed out after {self.timeout_s}s waiting for {name}; tail of {log}:\n"
-                    f"{_tail(log)}")
+                    f"timed out after {self.timeout_s}s waiting for {name}; tail of {log}:\n{_tail(log)}"
+                )
             time.sleep(0.1)
 
     def _nodes_ready(self) -> bool:
         status, body = self._get("/api/v1/nodes?labelSelector=type%3Dkwok")
         if status != 200:
             return False
-        ready = [n for n in body["items"] if any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in n.get("status", {}).get("conditions", []))]
+        ready = [
+            n
+            for n in body["items"]
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+        ]
         return len(ready) >= self.num_nodes
 
     def _get(self, path: str) -> tuple[int, dict]:
@@ -352,62 +372,6 @@ class DevCluster:
             return resp.status, {"raw": raw.decode(errors="replace")}
 
 
-def stop_processes(pids: dict[str, int], procs: dict[str, subprocess.Popen] | None = None,
-                   binaries: dict[str, str] | None = None, grace_s: float = 5.0) -> None:
-    """Stop components one by one (API consumers, apiserver, etcd), and wait for each.
-
-    Each gets SIGTERM to its process group, then SIGKILL after grace_s. Order matters:
-    an apiserver whose etcd is already gone hangs in graceful shutdown. `procs` (our own
-    children) are reaped with wait(); pids read back from a state file come with
-    `binaries` (name -> executable) so that a recycled pid is never signalled.
-    """
-    procs = procs or {}
-    order = sorted(pids, key=lambda n: _COMPONENTS.index(n) if n in _COMPONENTS else -1)
-    survivors = {}
-    for name in order:
-        pid = pids[name]
-        if name not in procs and binaries is not None and not _is_binary(pid, binaries.get(name)):
-            continue  # already gone, or the pid now belongs to something else
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, sig)
-            if _wait_gone(pid, procs.get(name), time.monotonic() + grace_s):
-                break
-        else:
-            survivors[name] = pid
-    if survivors:
-        raise RuntimeError(f"processes survived SIGKILL: {survivors}")
-
-
-def _wait_gone(pid: int, proc: subprocess.Popen | None, deadline: float) -> bool:
-    if proc is not None:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-    while pid_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the parent dies, so a killed pytest leaks nothing."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def _is_binary(pid: int, binary: str | None) -> bool:
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        return False
-    return binary is None or exe == binary
-
-
 # ---- CLI ------------------------------------------------------------------------
 def _cmd_up(args: argparse.Namespace) -> int:
     state_file = args.state_dir / STATE_FILE
@@ -418,8 +382,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = DevCluster(num_nodes=args.nodes, state_dir=args.state_dir, detached=True)
     cluster.start()
     state_file.write_text(json.dumps(cluster.state(), indent=2))
-    print(f"cluster up in {time.monotonic() - t0:.1f}s: {cluster.server}, "
-          f"{args.nodes} GPU node(s); logs in {args.state_dir}", file=sys.stderr)
+    print(
+        f"cluster up in {time.monotonic() - t0:.1f}s: {cluster.server}, "
+        f"{args.nodes} GPU node(s); logs in {args.state_dir}",
+        file=sys.stderr,
+    )
     print(f"ready after (s): {cluster.timings}", file=sys.stderr)
     _print_env(cluster.state())
     return 0
@@ -431,7 +398,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
         print(f"no cluster recorded in {state_file}", file=sys.stderr)
         return 0
     state = json.loads(state_file.read_text())
-    stop_processes(state["pids"], binaries=state["binaries"])
+    procs.stop_processes(state["pids"], binaries=state["binaries"])
     if state.get("etcd_dir", "None") != "None":
         shutil.rmtree(state["etcd_dir"], ignore_errors=True)
     state_file.unlink()
@@ -459,8 +426,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("down")
         return 1
     state = json.loads(state_file.read_text())
-    alive = {n: pid_alive(p) and _is_binary(p, state["binaries"][n])
-             for n, p in state["pids"].items()}
+    alive = {n: procs.pid_alive(p) and procs.is_binary(p, state["binaries"][n]) for n, p in state["pids"].items()}
     for name, ok in alive.items():
         print(f"{name:24} pid {state['pids'][name]:>7}  {'running' if ok else 'DEAD'}")
     return 0 if all(alive.values()) else 1
@@ -470,13 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("verb", choices=("up", "down", "env", "status"))
     parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes (default 2)")
-    parser.add_argument("--state-dir", type=Path, default=default_cache() / "dev-cluster",
-                        help="pids, kubeconfig, certs and logs (default %(default)s)")
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=default_cache() / "dev-cluster",
+        help="pids, kubeconfig, certs and logs (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     args.state_dir = args.state_dir.resolve()
     try:
-        return {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env,
-                "status": _cmd_status}[args.verb](args)
+        return {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status}[args.verb](args)
     except (BinariesMissingError, ClusterStartError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

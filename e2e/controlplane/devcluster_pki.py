@@ -92,9 +92,15 @@ def _leaf(
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                crl_sign=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -115,35 +121,48 @@ def make_pki(directory: Path) -> Pki:
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                crl_sign=True, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
         .sign(ca_key, hashes.SHA256())
     )
     dns = [
-        "localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
         "kubernetes.default.svc.cluster.local",
     ]
     ips = ["127.0.0.1", KUBERNETES_SERVICE_IP]
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    server_cert, server_key = _leaf(
-        ca_cert, ca_key, _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans
-    )
+    server_cert, server_key = _leaf(ca_cert, ca_key, _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
     admin_cert, admin_key = _leaf(
-        ca_cert, ca_key, _name("kubernetes-admin", "system:masters"),
+        ca_cert,
+        ca_key,
+        _name("kubernetes-admin", "system:masters"),
         ExtendedKeyUsageOID.CLIENT_AUTH,
     )
     sa_key = _key()
 
     pki = Pki(
-        ca_crt=directory / "ca.crt", ca_key=directory / "ca.key",
-        apiserver_crt=directory / "apiserver.crt", apiserver_key=directory / "apiserver.key",
-        admin_crt=directory / "admin.crt", admin_key=directory / "admin.key",
-        sa_key=directory / "sa.key", sa_pub=directory / "sa.pub",
+        ca_crt=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        apiserver_crt=directory / "apiserver.crt",
+        apiserver_key=directory / "apiserver.key",
+        admin_crt=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_key=directory / "sa.key",
+        sa_pub=directory / "sa.pub",
     )
     _write_cert(pki.ca_crt, ca_cert)
     _write_key(pki.ca_key, ca_key)
@@ -153,9 +172,7 @@ def make_pki(directory: Path) -> Pki:
     _write_key(pki.admin_key, admin_key)
     _write_key(pki.sa_key, sa_key)
     pki.sa_pub.write_bytes(
-        sa_key.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
+        sa_key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
     return pki
 
@@ -169,21 +186,27 @@ def write_kubeconfig(path: Path, server: str, pki: Pki, name: str = "tidepool-de
     config = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{
-            "name": name,
-            "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_crt)},
-        }],
-        "users": [{
-            "name": f"{name}-admin",
-            "user": {
-                "client-certificate-data": b64(pki.admin_crt),
-                "client-key-data": b64(pki.admin_key),
-            },
-        }],
-        "contexts": [{
-            "name": name,
-            "context": {"cluster": name, "user": f"{name}-admin", "namespace": "default"},
-        }],
+        "clusters": [
+            {
+                "name": name,
+                "cluster": {"server": server, "certificate-authority-data": b64(pki.ca_crt)},
+            }
+        ],
+        "users": [
+            {
+                "name": f"{name}-admin",
+                "user": {
+                    "client-certificate-data": b64(pki.admin_crt),
+                    "client-key-data": b64(pki.admin_key),
+                },
+            }
+        ],
+        "contexts": [
+            {
+                "name": name,
+                "context": {"cluster": name, "user": f"{name}-admin", "namespace": "default"},
+            }
+        ],
         "current-context": name,
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,0 +1,110 @@
+"""Process and port bookkeeping for the local control plane: start, find and stop.
+
+Components run in their own process groups; `stop_processes` stops them in dependency
+order (API consumers, kube-apiserver, etcd) with SIGTERM then SIGKILL, and waits until
+each is gone (reaped, or at least a zombie), so no process or listening port survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+# Stop order: consumers of the API first, etcd last.
+COMPONENTS = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_ports() -> set[int]:
+    """Every TCP port in LISTEN state on this host (from /proc/net/tcp{,6})."""
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stop_processes(
+    pids: dict[str, int],
+    procs: dict[str, subprocess.Popen] | None = None,
+    binaries: dict[str, str] | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Stop components one by one (API consumers, apiserver, etcd), and wait for each.
+
+    Each gets SIGTERM to its process group, then SIGKILL after grace_s. Order matters:
+    an apiserver whose etcd is already gone hangs in graceful shutdown. `procs` (our own
+    children) are reaped with wait(); pids read back from a state file come with
+    `binaries` (name -> executable) so that a recycled pid is never signalled.
+    """
+    procs = procs or {}
+    order = sorted(pids, key=lambda n: COMPONENTS.index(n) if n in COMPONENTS else -1)
+    survivors = {}
+    for name in order:
+        pid = pids[name]
+        if name not in procs and binaries is not None and not is_binary(pid, binaries.get(name)):
+            continue  # already gone, or the pid now belongs to something else
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, sig)
+            if _wait_gone(pid, procs.get(name), time.monotonic() + grace_s):
+                break
+        else:
+            survivors[name] = pid
+    if survivors:
+        raise RuntimeError(f"processes survived SIGKILL: {survivors}")
+
+
+def _wait_gone(pid: int, proc: subprocess.Popen | None, deadline: float) -> bool:
+    if proc is not None:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def die_with_parent() -> None:
+    """In the child: get SIGKILL when the parent dies, so a killed pytest leaks nothing."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def is_binary(pid: int, binary: str | None) -> bool:
+    """True if pid runs `binary` (so a recycled pid is never mistaken for a component)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+    except OSError:
+        return False
+    return binary is None or exe == os.path.realpath(binary)
