@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -17,6 +18,8 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         residual = x
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype), residual
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, shape, self.weight, self.eps), residual
+        # Low precision: normalise in float32, round, then scale, exactly as Hugging Face does.
+        return self.weight * F.rms_norm(x.float(), shape, None, self.eps).to(x.dtype), residual
