@@ -179,7 +179,8 @@ class DevCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         pki = make_pki(self.state_dir / "pki")
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-        self.etcd_dir = Path(tempfile.mkdtemp(prefix="tidepool-etcd-", dir=shm))
+        procs.remove_stale_etcd_dirs(shm or Path(tempfile.gettempdir()))
+        self.etcd_dir = Path(tempfile.mkdtemp(prefix=procs.ETCD_DIR_PREFIX, dir=shm))
         etcd, peer, api = procs.free_port(), procs.free_port(), procs.free_port()
         self.ports = {"etcd": etcd, "etcd-peer": peer, "kube-apiserver": api}
         self.server = f"https://127.0.0.1:{api}"
@@ -190,7 +191,7 @@ class DevCluster:
             "etcd",
             [
                 "--name=tidepool",
-                f"--data-dir={self.etcd_dir}",
+                f"--data-dir={self.etcd_dir / 'data'}",
                 f"--listen-client-urls=http://127.0.0.1:{etcd}",
                 f"--advertise-client-urls=http://127.0.0.1:{etcd}",
                 f"--listen-peer-urls=http://127.0.0.1:{peer}",
@@ -200,6 +201,7 @@ class DevCluster:
                 "--log-level=warn",
             ],
         )
+        (self.etcd_dir / procs.OWNER_FILE).write_text(str(self.pids["etcd"]))
         # The apiserver's etcd client backs off for seconds if etcd is not up yet.
         self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd}/health"))
         self._spawn(

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
+ETCD_DIR_PREFIX = "tidepool-etcd-"
+OWNER_FILE = "etcd.pid"  # in each etcd dir: the pid of the etcd that uses it
 # Stop order: consumers of the API first, etcd last.
 COMPONENTS = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 
@@ -108,3 +111,29 @@ def is_binary(pid: int, binary: str | None) -> bool:
     except OSError:
         return False
     return binary is None or exe == os.path.realpath(binary)
+
+
+def remove_stale_etcd_dirs(parent: Path, min_age_s: float = 120.0) -> None:
+    """Delete etcd data dirs left on tmpfs by clusters whose owner was SIGKILLed.
+
+    A dir is stale when its etcd pid is no longer an etcd process, or when it has no pid
+    file and is older than min_age_s (a cluster still starting writes it within seconds).
+    """
+    for d in parent.glob(ETCD_DIR_PREFIX + "*"):
+        try:
+            owner = int((d / OWNER_FILE).read_text())
+        except FileNotFoundError:
+            stale = time.time() - d.stat().st_mtime > min_age_s
+        except (OSError, ValueError):
+            stale = True
+        else:
+            stale = not _runs_etcd(owner)
+        if stale:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _runs_etcd(pid: int) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)").endswith("/etcd")
+    except OSError:
+        return False
