@@ -73,7 +73,7 @@ def find_bin_dir() -> Path:
     if missing:
         raise BinariesMissingError(
             f"control-plane binaries missing in {bin_dir}: {', '.join(missing)}. "
-            "Build them first (about 15-25 min cold, cached after): "
+            "Build them first (~30 min cold on 2 cores, cached after): "
             "bash e2e/controlplane/build.sh"
         )
     return bin_dir

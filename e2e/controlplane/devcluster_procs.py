@@ -8,6 +8,7 @@ each is gone (reaped, or at least a zombie), so no process or listening port sur
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
 import signal
@@ -97,11 +98,14 @@ def _wait_gone(pid: int, proc: subprocess.Popen | None, deadline: float) -> bool
     return True
 
 
-def die_with_parent() -> None:
-    """In the child: get SIGKILL when the parent dies, so a killed pytest leaks nothing."""
-    import ctypes
+# Resolved in the parent: between fork and exec the child must not import anything.
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+_PR_SET_PDEATHSIG = 1
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+def die_with_parent() -> None:
+    """In the child (preexec_fn): SIGKILL it when the parent dies, so a killed pytest leaks nothing."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def is_binary(pid: int, binary: str | None) -> bool:
