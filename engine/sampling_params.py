@@ -7,6 +7,7 @@ field and the accepted range, so nothing invalid ever reaches the scheduler or t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -38,7 +39,8 @@ class SamplingParams:
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        temperature = self.temperature
+        _check(_is_number(temperature) and temperature >= 0, "temperature", temperature, "a finite number >= 0")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "0 (disabled) or >= 1")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
@@ -50,7 +52,7 @@ class SamplingParams:
             _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",
             self.repetition_penalty,
-            "> 0",
+            "a finite number > 0",
         )
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -81,7 +83,11 @@ class SamplingParams:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # rejects NaN
+    # Finite only: NaN compares false everywhere, and an infinite temperature or repetition
+    # penalty turns the sampler's -inf masks (or zero logits) into NaN.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
