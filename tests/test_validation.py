@@ -74,6 +74,9 @@ def test_empty_string_prompt_raises(llm: LLM) -> None:
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
+        # Infinite values would turn -inf masks (min_tokens) or zero logits into NaN in the sampler.
+        ({"temperature": math.inf}, "temperature"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
