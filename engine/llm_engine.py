@@ -115,6 +115,8 @@ class LLMEngine:
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token")
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list | tuple):
             token_ids, text = list(prompt), None

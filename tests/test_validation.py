@@ -58,11 +58,6 @@ def test_too_long_prompt_message_says_what_to_do(llm: LLM) -> None:
         llm.generate([[5] * (MAX_MODEL_LEN + 1)], use_tqdm=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine/llm_engine.py validate_prompt: '' encodes to [BOS] with this tokenizer, so an empty string "
-    "prompt is accepted instead of raising 'prompt is empty'",
-)
 def test_empty_string_prompt_raises(llm: LLM) -> None:
     with pytest.raises(ValueError, match="empty"):
         llm.generate("", use_tqdm=False)

@@ -149,58 +149,57 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; raise on anything missing or unknown."""
+        """Copy Hugging Face-named tensors into the fused parameters.
+
+        Raises ValueError naming the checkpoint tensor for a wrong shape, an unknown name or a
+        tensor the checkpoint lacks.
+        """
         params = dict(self.named_parameters())
-        filled: dict[str, int] = {}  # rows copied per parameter (fused ones are filled in parts)
+        layout = self.checkpoint_layout()
+        loaded: set[str] = set()
         for hf_name, tensor in weights:
-            target = self._map_name(hf_name)
+            target = layout.get(hf_name)
             if target is None:
-                continue  # e.g. rotary inv_freq buffers some checkpoints carry
-            name, row_offset = target
-            if name not in params:
+                if "rotary_emb" in hf_name or (hf_name == "lm_head.weight" and self.lm_head is None):
+                    continue  # buffers some checkpoints carry; a tied model's redundant lm_head copy
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
-            param = params[name]
-            rows = tensor.shape[0]
-            dest = param.data[row_offset : row_offset + rows] if row_offset is not None else param.data
+            name, offset, rows = target
+            dest = params[name].data[offset : offset + rows]
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            filled[name] = filled.get(name, 0) + rows
-        missing = [name for name, param in params.items() if filled.get(name, 0) != param.shape[0]]
+            loaded.add(hf_name)
+        missing = sorted(set(layout) - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(sorted(missing)[:8])}")
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:8])}{more}")
 
-    def _map_name(self, hf_name: str) -> tuple[str, int | None] | None:
-        if "rotary_emb" in hf_name:
-            return None
-        name = hf_name.removeprefix("model.")
-        if name == "lm_head.weight":
-            if self.lm_head is None:
-                return None  # tied: some checkpoints still ship a copy
-            return "lm_head", None
-        if name == "embed_tokens.weight":
-            return "embed_tokens", None
-        if not name.startswith("layers."):
-            return name, None  # norm.weight
-        attn = self.layers[0].self_attn
-        offsets = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}
-        for proj, offset in offsets.items():
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, int]]:
+        """Hugging Face tensor name -> (parameter name, first row, number of rows) in the fused layout."""
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+        params = dict(self.named_parameters())
+        layout: dict[str, tuple[str, int, int]] = {}
+
+        def put(hf_name: str, name: str, offset: int = 0, rows: int | None = None) -> None:
+            if name in params:
+                layout[hf_name] = (name, offset, params[name].shape[0] if rows is None else rows)
+
+        put("model.embed_tokens.weight", "embed_tokens")
+        put("model.norm.weight", "norm.weight")
+        put("lm_head.weight", "lm_head")
+        for i in range(len(self.layers)):
+            hf, ours = f"model.layers.{i}", f"layers.{i}"
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{hf}.{norm}.weight", f"{ours}.{norm}.weight")
             for kind in ("weight", "bias"):
-                suffix = f"self_attn.{proj}.{kind}"
-                if name.endswith(suffix):
-                    return name[: -len(suffix)] + f"self_attn.qkv_{kind}", offset
-        for proj, kind_name in (("o_proj", "o"), ("down_proj", "down")):
-            for kind in ("weight", "bias"):
-                parent = "self_attn" if proj == "o_proj" else "mlp"
-                suffix = f"{parent}.{proj}.{kind}"
-                if name.endswith(suffix):
-                    return name[: -len(suffix)] + f"{parent}.{kind_name}_{kind}", None
-        mlp = self.layers[0].mlp
-        for proj, offset in (("gate_proj", 0), ("up_proj", mlp.intermediate_size)):
-            for kind in ("weight", "bias"):
-                suffix = f"mlp.{proj}.{kind}"
-                if name.endswith(suffix):
-                    return name[: -len(suffix)] + f"mlp.gate_up_{kind}", offset
-        return name, None
+                put(f"{hf}.self_attn.q_proj.{kind}", f"{ours}.self_attn.qkv_{kind}", 0, q)
+                put(f"{hf}.self_attn.k_proj.{kind}", f"{ours}.self_attn.qkv_{kind}", q, kv)
+                put(f"{hf}.self_attn.v_proj.{kind}", f"{ours}.self_attn.qkv_{kind}", q + kv, kv)
+                put(f"{hf}.self_attn.o_proj.{kind}", f"{ours}.self_attn.o_{kind}")
+                put(f"{hf}.mlp.gate_proj.{kind}", f"{ours}.mlp.gate_up_{kind}", 0, inter)
+                put(f"{hf}.mlp.up_proj.{kind}", f"{ours}.mlp.gate_up_{kind}", inter, inter)
+                put(f"{hf}.mlp.down_proj.{kind}", f"{ours}.mlp.down_{kind}")
+        return layout
