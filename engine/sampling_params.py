@@ -38,13 +38,13 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "an integer >= 1")
         temperature = self.temperature
         _check(_is_number(temperature) and temperature >= 0, "temperature", temperature, "a finite number >= 0")
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "0 (disabled) or >= 1")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", self.top_k, "0 (disabled) or >= 1")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer or None")
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "an integer or None")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, value, "in [-2, 2]")
@@ -55,12 +55,12 @@ class SamplingParams:
             "a finite number > 0",
         )
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",
             self.max_tokens,
             "an integer >= 1 or None",
         )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
@@ -71,7 +71,7 @@ class SamplingParams:
             "non-negative integers",
         )
         _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             self.logprobs,
             "an integer in [0, 20] or None",
@@ -80,6 +80,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: object) -> bool:

@@ -13,11 +13,9 @@ class ScheduledSeq:
     num_computed_tokens: int  # tokens already in the KV cache before this step (start position)
     num_new_tokens: int  # tokens whose KV this step computes
     block_ids: list[int]  # the request's whole block table after allocation
-
-    @property
-    def needs_sample(self) -> bool:
-        """True when this step reaches the end of the known tokens, so the next token is sampled."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    # True when this step reaches the end of the known tokens, so the next token is sampled.
+    # Fixed at schedule time: the request grows once the sampled token is appended.
+    needs_sample: bool
 
 
 @dataclass(slots=True)

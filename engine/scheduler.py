@@ -156,7 +156,8 @@ class Scheduler:
 
     # ---- internals ----------------------------------------------------------------------------
     def _scheduled(self, request: Request, start: int, num_new: int) -> ScheduledSeq:
-        return ScheduledSeq(request, start, num_new, self.kv_cache.block_ids(request.request_id))
+        needs_sample = start + num_new == request.num_tokens
+        return ScheduledSeq(request, start, num_new, self.kv_cache.block_ids(request.request_id), needs_sample)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
