@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The demo (README.md): set up the environment, make a small random model, generate with it.
+# The demo (README.md): set up the environment, make a small random model, generate with it offline,
+# then serve it: start `tidepool serve`, stream a chat completion, print metrics, stop cleanly.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
@@ -7,7 +8,8 @@ model="$TIDEPOOL_CACHE/models/demo-llama-small"
 if [[ ! -f "$model/config.json" ]]; then
   tidepool make-model --arch llama --preset small "$model"
 fi
-tidepool generate --model "$model" --max-tokens 24 \
-  --prompt "Once upon a time" --prompt "The capital of France is" --prompt "def fibonacci(n):"
+echo "== offline generation (tidepool generate)"
+(cd /tmp && tidepool generate --model "$model" --max-tokens 24 \
+  --prompt "Once upon a time" --prompt "The capital of France is" --prompt "def fibonacci(n):")
 echo
-echo "(random weights: the text is noise; the point is the engine. See README.md for the benchmark.)"
+exec bash "$TIDEPOOL_ROOT/scripts/serve_demo.sh"
