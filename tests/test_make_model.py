@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+
 from tidepool.engine.make_model import ARCHITECTURES, PRESETS, build_tokenizer, make_model
 
 transformers = pytest.importorskip("transformers")

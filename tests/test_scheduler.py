@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 
 import pytest
+
 from tidepool.engine.kv_cache import KVCacheManager
 from tidepool.engine.request import Request, RequestStatus
 from tidepool.engine.sampling_params import SamplingParams

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tidepool.engine.detokenizer import IncrementalDetokenizer
 from tidepool.engine.make_model import make_model
 from tidepool.engine.tokenizer import Tokenizer
