@@ -10,6 +10,7 @@ only, chain-hashed, never the last token), the token-based hit counters, and tha
 from __future__ import annotations
 
 import pytest
+
 from tidepool.engine.kv_cache import BlockPool, KVCacheManager
 from tidepool.engine.request import Request
 from tidepool.engine.sampling_params import SamplingParams
@@ -233,9 +234,24 @@ def test_hit_counters_are_in_tokens() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=4)
     _fill(manager, _request("a", list(range(10))))
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (10, 0)
-    manager.get_computed_blocks(_request("b", [*range(9), 77, 78]))
+    _fill(manager, _request("b", [*range(9), 77, 78]))
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (21, 8)
-    manager.get_computed_blocks(_request("c", [5, 5, 5, 5, 5]))
+    _fill(manager, _request("c", [5, 5, 5, 5, 5]))
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (26, 8)
+
+
+def test_lookup_counted_once_when_the_allocation_must_wait() -> None:
+    manager = KVCacheManager(num_blocks=4, block_size=4)
+    _fill(manager, _request("a", list(range(12))))  # 3 of 4 blocks held
+    waiting = _request("b", [*range(8), 50, 51, 52, 53, 54, 55])
+    for _ in range(3):  # the head of the queue retries every step while memory is short
+        hits, num_hit = manager.get_computed_blocks(waiting)
+        assert num_hit == 8
+        assert not manager.allocate_slots(waiting, waiting.num_tokens - num_hit, hits)
+    assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (12, 0)
+    manager.free(_request("a", list(range(12))))
+    hits, num_hit = manager.get_computed_blocks(waiting)
+    assert manager.allocate_slots(waiting, waiting.num_tokens - num_hit, hits)
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == (26, 8)
 
 

@@ -9,7 +9,8 @@ scheduled in the same step may already share them).
 Prefix caching hashes full blocks as a chain: hash(parent hash, block tokens). At most
 `num_tokens - 1` tokens are ever taken from the cache, so the last prompt token is always
 computed and its logits exist. Counters `prefix_cache_queries`/`prefix_cache_hits` are in
-tokens, as vLLM reports them.
+tokens, as vLLM reports them, and move only when a lookup's allocation succeeds: a request
+that waits at the head of the queue for several steps is counted once, not once per try.
 """
 
 from __future__ import annotations
@@ -61,8 +62,6 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = hashes[index]
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -70,7 +69,8 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and the given cache hits).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Pass `new_computed_blocks` (possibly empty) right after `get_computed_blocks`, so the
+        lookup is counted. Returns False, changing nothing, when the pool cannot supply the blocks.
         """
         held = self._blocks.setdefault(request.request_id, [])
         hits = new_computed_blocks or []
@@ -81,6 +81,9 @@ class KVCacheManager:
             if not held:
                 del self._blocks[request.request_id]
             return False
+        if new_computed_blocks is not None and self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(hits) * self.block_size
         self.pool.touch(hits)
         held.extend(hits)
         if num_needed > 0:
