@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HF_VARIANTS
+from model_variants import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
