@@ -4,10 +4,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
-model="$TIDEPOOL_CACHE/models/demo-llama-small"
-if [[ ! -f "$model/config.json" ]]; then
-  tidepool make-model --arch llama --preset small "$model"
-fi
+model="$(demo_model)"
 echo "== offline generation (tidepool generate)"
 (cd /tmp && tidepool generate --model "$model" --max-tokens 24 \
   --prompt "Once upon a time" --prompt "The capital of France is" --prompt "def fibonacci(n):")

@@ -13,12 +13,24 @@ if [[ ! -f "$TIDEPOOL_VENV/.complete" ]]; then
   echo "== creating Python environment $TIDEPOOL_VENV (first run on this machine: a few minutes)"
   rm -rf "$TIDEPOOL_VENV"
   python3 -m venv "$TIDEPOOL_VENV"
-  "$TIDEPOOL_VENV/bin/pip" install --quiet --upgrade pip "setuptools>=70"
+  "$TIDEPOOL_VENV/bin/pip" install --quiet --upgrade pip "setuptools>=77"
   "$TIDEPOOL_VENV/bin/pip" install --quiet -c "$TIDEPOOL_ROOT/scripts/constraints.txt" -e "$TIDEPOOL_ROOT[test,bench]"
   touch "$TIDEPOOL_VENV/.complete"
 fi
-"$TIDEPOOL_VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$TIDEPOOL_ROOT" >/dev/null
+_log="$(mktemp)"
+if ! "$TIDEPOOL_VENV/bin/pip" install --quiet --no-deps --no-build-isolation -e "$TIDEPOOL_ROOT" >"$_log" 2>&1; then
+  cat "$_log" >&2
+  exit 1
+fi
+rm -f "$_log"
 # Run tools by their entry points (pytest, ruff, tidepool), never `python -m` from the repo root:
 # the current directory would go first on sys.path and `operator/` would shadow the standard library.
 PY="$TIDEPOOL_VENV/bin/python"
 export PATH="$TIDEPOOL_VENV/bin:$PATH"
+
+# The demo's model, made once per machine; prints its folder.
+demo_model() {
+  local model="$TIDEPOOL_CACHE/models/demo-llama-small"
+  [[ -f "$model/config.json" ]] || tidepool make-model --arch llama --preset small "$model" >&2
+  echo "$model"
+}

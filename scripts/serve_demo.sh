@@ -4,10 +4,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
-model="$TIDEPOOL_CACHE/models/demo-llama-small"
-if [[ ! -f "$model/config.json" ]]; then
-  tidepool make-model --arch llama --preset small "$model"
-fi
+model="$(demo_model)"
 port="${TIDEPOOL_DEMO_PORT:-8765}"
 log="$(mktemp -t tidepool-serve.XXXXXX.log)"
 # Run from outside the clone: a clone root on sys.path would let operator/ shadow the stdlib module.
