@@ -42,7 +42,9 @@ def test_queue_full_gets_429(serve: Callable[..., Server]) -> None:
 @pytest.mark.timeout(240)
 def test_sigterm_drains(serve: Callable[..., Server]) -> None:
     server = serve("--drain-timeout", "60")
-    max_tokens = 60
+    # Long enough that the drain is still running when the late requests arrive (~1 s on an idle
+    # machine): with 60 tokens the server could finish draining and exit before they connect.
+    max_tokens = 800
     body = {"model": "tiny", "prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
 
