@@ -12,6 +12,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,20 +68,18 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * num_bytes / best
 
 
-def decode_bytes_per_step(
-    model: torch.nn.Module,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    context_len: int,
-    embedding_rows_read: int | None = None,
-) -> int:
-    """Weight bytes (an untied embedding table only for the rows looked up) + KV bytes read at this context."""
+def decode_bytes_per_step(model: torch.nn.Module, config: Any, context_len: int) -> int:
+    """Bytes one bs=1 decode step reads: weights + the KV cache at `context_len`.
+
+    `config` is Tidepool's `ModelConfig` or a transformers config (same field names). An untied
+    embedding table counts one row (a lookup); a tied one is read whole as the LM head.
+    """
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     total = 0
     for name, param in model.named_parameters():
         size = param.numel() * param.element_size()
-        if embedding_rows_read is not None and "embed_tokens" in name:
-            size = embedding_rows_read * param.shape[1] * param.element_size()
+        if not config.tie_word_embeddings and "embed_tokens" in name:
+            size = param.shape[1] * param.element_size()
         total += size
     element = next(model.parameters()).element_size()
-    return total + 2 * num_layers * context_len * num_kv_heads * head_dim * element
+    return total + 2 * config.num_hidden_layers * context_len * config.num_key_value_heads * head_dim * element

@@ -48,15 +48,7 @@ def run_tidepool(model_dir: Path, work: list[WorkItem], args: argparse.Namespace
     if num_out != sum(w.num_output_tokens for w in work):
         raise RuntimeError("Tidepool produced a different number of tokens than requested")
     step = tidepool_decode_step(llm, args.context_len, args.decode_steps)
-    config = llm.engine.model_config
-    nbytes = decode_bytes_per_step(
-        llm.engine.model,
-        config.num_hidden_layers,
-        config.num_key_value_heads,
-        config.head_dim,
-        args.context_len,
-        None if config.tie_word_embeddings else 1,
-    )
+    nbytes = decode_bytes_per_step(llm.engine.model, llm.engine.model_config, args.context_len)
     return {
         "seconds": elapsed,
         "output_tokens": num_out,
@@ -115,15 +107,7 @@ def run_transformers(model_dir: Path, work: list[WorkItem], args: argparse.Names
             num_useful += sum(w.num_output_tokens for w in batch)
     elapsed = time.perf_counter() - start
     step = transformers_decode_step(model, args.context_len, args.decode_steps)
-    config = model.config
-    nbytes = decode_bytes_per_step(
-        model,
-        config.num_hidden_layers,
-        config.num_key_value_heads,
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        args.context_len,
-        None if config.tie_word_embeddings else 1,
-    )
+    nbytes = decode_bytes_per_step(model, model.config, args.context_len)
     return {
         "seconds": elapsed,
         "output_tokens": num_useful,
