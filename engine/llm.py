@@ -48,10 +48,8 @@ class LLM:
             parent = str(next(self._counter))
             children = []
             for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                child = dataclasses.replace(params, n=1, seed=seed)
                 child_id = parent if params.n == 1 else f"{parent}-{i}"
-                self.engine.add_request(child_id, prompt, child)
+                self.engine.add_request(child_id, prompt, params.for_completion(i))
                 children.append(child_id)
             groups.append((parent, children))
 

@@ -8,7 +8,7 @@ field and the accepted range, so nothing invalid ever reaches the scheduler or t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -80,6 +80,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """Parameters of the index-th of n completions, each one engine sequence: n=1, and a set seed
+        shifted by index, so the n completions differ yet stay reproducible."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 def _is_int(value: object) -> bool:

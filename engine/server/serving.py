@@ -266,9 +266,9 @@ class Serving:
                 self.engine.engine.validate_prompt(prompt)  # token ids in range; reads only immutable engine state
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
+            params = _sampling_params(req, max_tokens or limit - len(prompt), logprobs)
             for j in range(req.n):
-                params = _sampling_params(req, max_tokens or limit - len(prompt), logprobs, j)
-                child = Child(f"{job.response_id}-{i}-{j}", prompt, params)
+                child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
                 job.children.append(child)
                 job.index_of[child.request_id] = i * req.n + j
         return job
@@ -328,14 +328,14 @@ class Serving:
         return text if text is not None else self.tokenizer.decode(job.prompts[prompt_index])
 
 
-def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=max(0, req.top_k or 0),
             min_p=req.min_p or 0.0,
-            seed=None if req.seed is None else req.seed + index,
+            seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
