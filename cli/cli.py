@@ -47,10 +47,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from tidepool.engine.server.cli import main as serve_main
+# Subcommands that parse their own flags: name -> (module, help). Each module has `main(argv) -> int`
+# and is imported only when its subcommand runs (the operator's never pull in torch).
+DELEGATED: dict[str, tuple[str, str]] = {
+    "serve": ("tidepool.engine.server.cli", "OpenAI-compatible HTTP server"),
+    "router": ("tidepool.engine.router.cli", "data-plane router in front of engine replicas"),
+    "quantize": ("tidepool.engine.quant.cli", "write an int8/int4 weight-only quantized copy of a model"),
+    "crds": ("tidepool.operator.crdgen", "write the CustomResourceDefinitions generated from the API models"),
+    "operator": ("tidepool.operator.main", "run the Kubernetes operator (kopf)"),
+}
 
-    return serve_main(args.args)
+
+def _delegate(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(DELEGATED[args.command][0])
+    return int(module.main(args.args) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,12 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-prefix-caching", action="store_true")
     gen.set_defaults(func=_generate)
 
-    # `serve` parses its own flags (tidepool.engine.server.cli), so they live next to the server and
-    # importing them stays lazy; prefix_chars="\0" hands every argument through untouched.
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `tidepool serve --help`)",
-                        add_help=False, prefix_chars="\0")  # fmt: skip
-    sv.add_argument("args", nargs=argparse.REMAINDER)
-    sv.set_defaults(func=_serve)
+    # These parse their own flags, so the flags live next to their code and importing them stays
+    # lazy; prefix_chars="\0" hands every argument through untouched.
+    for name, (_, help_text) in DELEGATED.items():
+        dp = sub.add_parser(name, help=f"{help_text} (see `tidepool {name} --help`)", add_help=False, prefix_chars="\0")
+        dp.add_argument("args", nargs=argparse.REMAINDER)
+        dp.set_defaults(func=_delegate)
     return parser
 
 
