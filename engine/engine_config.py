@@ -36,6 +36,11 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     seed: int = 0
     show_progress: bool = True
+    kv_role: Literal["unified", "prefill", "decode"] = Field(
+        "unified", description="P/D disaggregation role: 'prefill' sends prompt KV, 'decode' receives it"
+    )
+    kv_port: int = Field(14579, ge=0, le=65535, description="TCP port of a decode engine's KV receiver (0: any free)")
+    kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a KV transfer may take end to end")
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
@@ -52,6 +52,40 @@ class Scheduler:
         self._order[request.request_id] = (request.arrival_time, self._next_seq)
         self._next_seq += 1
         self._enqueue_waiting(request)
+
+    def add_prefilled_request(self, request: Request, fill: Callable[[list[int]], None]) -> bool:
+        """Admit a request whose prompt KV was computed elsewhere (P/D disaggregation) straight into running.
+
+        The request holds its prompt and its first output token. Blocks for the prompt are
+        allocated here and `fill(block_ids)` writes the received KV into them at once — before
+        anything else can read them, since allocation already offers full blocks to the prefix
+        cache. Returns False, changing nothing, when there is no room (sequence limit or KV
+        memory); the caller retries later. A first token that already ends the request (EOS,
+        max_tokens) retires it right after the fill.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.running) >= self.max_num_seqs or not self.kv_cache.allocate_slots(
+            request, request.num_prompt_tokens
+        ):
+            return False
+        try:
+            fill(self.kv_cache.block_ids(request.request_id))
+        except BaseException:
+            self.kv_cache.discard(request)  # allocation offered the blocks to the prefix cache: withdraw them
+            raise
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = (request.arrival_time, self._next_seq)
+        self._next_seq += 1
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self._insert_running(request)
+        status = self._check_stop(request, request.output_token_ids[-1])
+        if status is not None:
+            self.running.remove(request)
+            self._retire(request, status)
+        return True
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort, or stop on a stop string) requests wherever they are; frees everything at once."""

@@ -103,6 +103,13 @@ class KVCacheManager:
         if not keep_hashes:
             self._hashes.pop(request.request_id, None)
 
+    def discard(self, request: Request) -> None:
+        """Free a request's blocks whose KV was never written, dropping their prefix-cache entries first."""
+        for block in self._blocks.get(request.request_id, []):
+            if block.ref_cnt == 1:  # only this request's own blocks; shared prefix hits hold valid KV
+                self.pool._uncache(block)
+        self.free(request)
+
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(request.request_id, [])
         parent = hashes[-1] if hashes else None
