@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import DTYPES, ModelConfig
+from .spec_decode.config import SpeculativeConfig
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU (vLLM's CPU backend defaults to 4 GiB)
 
@@ -36,6 +37,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     seed: int = 0
     show_progress: bool = True
+    speculative: SpeculativeConfig | None = Field(
+        None, description="Speculative decoding: {'method': 'ngram'|'draft', 'draft_model': PATH, ...}"
+    )
     kv_role: Literal["unified", "prefill", "decode"] = Field(
         "unified", description="P/D disaggregation role: 'prefill' sends prompt KV, 'decode' receives it"
     )
