@@ -28,6 +28,40 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def generator_for(self, request: Request) -> torch.Generator:
+        """The request's own seeded generator (kept across steps), or the shared one when it has no seed."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.generator
+        generator = self._generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+            self._generators[request.request_id] = generator
+        return generator
+
+    @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The normalized distribution each row's token is drawn from (one row per request view).
+
+        Exactly the processing `sample` applies: penalties and masks, then one-hot argmax for greedy
+        rows, or temperature, top-k, top-p and min-p. The rejection sampler scores proposals
+        against it, so speculation keeps the sampler's distribution (one implementation).
+        """
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            self._apply_penalties_and_masks(logits, row, request)
+        probs = torch.zeros_like(logits)
+        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            probs[index] = torch.nn.functional.one_hot(logits[index].argmax(dim=-1), logits.shape[1]).to(probs.dtype)
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            unnormalized = _processed_probs(logits[index], [requests[i] for i in random_rows])
+            probs[index] = unnormalized / unnormalized.sum(dim=-1, keepdim=True)
+        return probs
+
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[str, LogprobEntry]]:
         """logits: float32 [num_rows, vocab]; returns token ids (row order) and logprobs by request id."""
@@ -73,29 +107,14 @@ class Sampler:
                 logits[row, banned_ids] = float("-inf")
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.sampling_params.temperature for r in requests], device=logits.device)
-        logits = logits / temps.unsqueeze(1)
-        top_ks = [r.sampling_params.top_k for r in requests]
-        top_ps = [r.sampling_params.top_p for r in requests]
-        if any(top_ks) or any(p < 1.0 for p in top_ps):
-            logits = _top_k_top_p(logits, top_ks, top_ps)
-        probs = torch.softmax(logits, dim=-1)
-        min_ps = torch.tensor([r.sampling_params.min_p for r in requests], device=logits.device)
-        if bool((min_ps > 0).any()):
-            threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
-            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        probs = _processed_probs(logits, requests)
         noise = torch.empty_like(probs)
         unseeded = []
         for row, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is None:
+            if request.sampling_params.seed is None:
                 unseeded.append(row)
                 continue
-            generator = self._generators.get(request.request_id)
-            if generator is None:
-                generator = torch.Generator(device=self.device).manual_seed(seed)
-                self._generators[request.request_id] = generator
-            noise[row].exponential_(generator=generator)
+            noise[row].exponential_(generator=self.generator_for(request))
         if unseeded:
             index = torch.tensor(unseeded, device=logits.device)
             noise[index] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
@@ -117,6 +136,22 @@ class Sampler:
             top = list(zip(top_ids[k, :n].tolist(), top_values[k, :n].tolist(), strict=True))
             result[request.request_id] = (float(logprobs[k, tokens[row]]), top)
         return result
+
+
+def _processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p, then min-p; unnormalized after min-p (the race does not need it)."""
+    temps = torch.tensor([r.sampling_params.temperature for r in requests], device=logits.device)
+    logits = logits / temps.unsqueeze(1)
+    top_ks = [r.sampling_params.top_k for r in requests]
+    top_ps = [r.sampling_params.top_p for r in requests]
+    if any(top_ks) or any(p < 1.0 for p in top_ps):
+        logits = _top_k_top_p(logits, top_ks, top_ps)
+    probs = torch.softmax(logits, dim=-1)
+    min_ps = torch.tensor([r.sampling_params.min_p for r in requests], device=logits.device)
+    if bool((min_ps > 0).any()):
+        threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
+        probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+    return probs
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
