@@ -1,0 +1,127 @@
+"""Pure builders: an InferenceService spec -> the manifests of all its children.
+
+`build_children(name, namespace, spec, features, replicas_by_pool, owner)` returns every child as a
+plain dict, in a stable order (see KIND_ORDER). No client, no clock, no I/O: the same inputs always
+give the same output, byte for byte once dumped with sorted keys.
+
+Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
+plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
+Service, ServiceAccount, Role and RoleBinding; the engine ConfigMap; a ServiceMonitor when the CRD
+exists. `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, ClusterFeatures, selector_labels, spec_hash
+from .engine import pool_workloads, topology
+from .network import (
+    engine_config_map,
+    headless_service,
+    pool_pdb,
+    pool_service,
+    router_deployment,
+    router_rbac,
+    router_service,
+    router_url,
+    service_monitor,
+)
+from .spec_view import POOLS_BY_MODE, SCALED_POOL, PoolView, ServiceView, SpecError
+
+# Apply order: what others reference first (config, RBAC), then Services, then workloads.
+KIND_ORDER = (
+    "ConfigMap",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "Service",
+    "PodDisruptionBudget",
+    "Deployment",
+    "StatefulSet",
+    "LeaderWorkerSet",
+    "ServiceMonitor",
+)
+
+__all__ = [
+    "KIND_ORDER",
+    "LABEL_POOL",
+    "LABEL_SERVICE",
+    "LABEL_SPEC_HASH",
+    "MANAGED_BY",
+    "POOLS_BY_MODE",
+    "SCALED_POOL",
+    "ClusterFeatures",
+    "PoolView",
+    "ServiceView",
+    "SpecError",
+    "build_children",
+    "desired_replicas",
+    "pod_selector",
+    "router_url",
+    "spec_hash",
+]
+
+
+def desired_replicas(view: ServiceView, replicas_by_pool: Mapping[str, int] | None) -> dict[str, int]:
+    """Replicas per pool: the override where given (autoscaler), else the spec's."""
+    out = {}
+    for pool in view.pool_names:
+        value = (replicas_by_pool or {}).get(pool, view.pools[pool].replicas)
+        if value < 0:
+            raise SpecError(f"replicas of pool {pool} must be >= 0, got {value}")
+        out[pool] = int(value)
+    return out
+
+
+def pod_selector(name: str, view: ServiceView) -> str:
+    """The label selector of the scaled pool's pods (status.selector, for the scale subresource)."""
+    labels = selector_labels(name, SCALED_POOL[view.mode])
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def build_children(
+    name: str,
+    namespace: str,
+    spec: Mapping[str, Any] | ServiceView,
+    features: ClusterFeatures | None = None,
+    replicas_by_pool: Mapping[str, int] | None = None,
+    owner: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Every child manifest of one InferenceService, in apply order. Raises SpecError for impossible specs."""
+    features = features or ClusterFeatures()
+    view = spec if isinstance(spec, ServiceView) else ServiceView.from_spec(spec)
+    replicas = desired_replicas(view, replicas_by_pool)
+    children: list[dict[str, Any]] = []
+    args_by_pool: dict[str, list[str]] = {}
+    for pool_name in view.pool_names:
+        pool = view.pools[pool_name]
+        topo = topology(view, pool, features)
+        workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, features)
+        if not workloads:  # a StatefulSet-group pool scaled to zero still needs its args recorded
+            probe = pool_workloads(view, pool, 1, name, namespace, features)
+            args_by_pool[pool_name] = _engine_args(probe[0])
+        else:
+            args_by_pool[pool_name] = _engine_args(workloads[0])
+        children += workloads
+        children.append(pool_service(name, namespace, pool_name, topo))
+        if topo.workload == "StatefulSet":
+            children.append(headless_service(name, namespace, pool_name))
+        children.append(pool_pdb(name, namespace, pool_name))
+    children.append(engine_config_map(name, namespace, view, args_by_pool))
+    children += router_rbac(name, namespace)
+    children.append(router_deployment(name, namespace, view, features))
+    children.append(router_service(name, namespace))
+    if features.has_service_monitor:
+        children.append(service_monitor(name, namespace))
+    if owner:
+        for child in children:
+            child["metadata"]["ownerReferences"] = [dict(owner)]
+    return sorted(children, key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
+
+
+def _engine_args(workload: dict[str, Any]) -> list[str]:
+    spec = workload["spec"]
+    template = spec["leaderWorkerTemplate"]["workerTemplate"] if "leaderWorkerTemplate" in spec else spec["template"]
+    return list(template["spec"]["containers"][0]["args"])

@@ -1,0 +1,113 @@
+"""Names, labels, the spec hash and the Pod Security "restricted" contexts shared by all builders.
+
+Invariants: pure functions; selector labels (`tidepool.dev/inferenceservice`, `tidepool.dev/pool`)
+never change for a child, so selectors stay immutable; the spec hash is a digest of a canonical JSON
+dump (sorted keys), so equal inputs always give equal hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+GROUP = "tidepool.dev"
+LABEL_SERVICE = f"{GROUP}/inferenceservice"
+LABEL_POOL = f"{GROUP}/pool"
+LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
+LABEL_GROUP_INDEX = f"{GROUP}/group-index"
+MANAGED_BY = "tidepool-operator"
+ROUTER_POOL = "router"
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+KV_PORT = 14579
+MASTER_PORT = 29500
+RUN_AS_ID = 1000
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterFeatures:
+    """What the cluster offers and how the operator is configured (detected or flagged at runtime)."""
+
+    has_lws: bool = False  # the LeaderWorkerSet CRD is installed
+    has_service_monitor: bool = False  # the Prometheus operator's ServiceMonitor CRD is installed
+    gpus_per_node: int = 8
+    router_image: str | None = None  # default: the engine image (it ships `tidepool router`)
+    hf_download_image: str | None = None  # default: the engine image (it ships `hf` / huggingface_hub)
+    s3_download_image: str = "amazon/aws-cli:2.22.35"
+
+
+def spec_hash(obj: Any) -> str:
+    """A short, stable digest of any JSON-serialisable object."""
+    raw = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def child_name(service: str, part: str) -> str:
+    return f"{service}-{part}"
+
+
+def selector_labels(service: str, pool: str) -> dict[str, str]:
+    return {LABEL_SERVICE: service, LABEL_POOL: pool}
+
+
+def labels(service: str, pool: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "tidepool",
+        "app.kubernetes.io/instance": service,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        **selector_labels(service, pool),
+    }
+
+
+def metadata(name: str, namespace: str, lbls: dict[str, str], annotations: dict[str, str] | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(sorted(lbls.items()))}
+    if annotations:
+        meta["annotations"] = dict(sorted(annotations.items()))
+    return meta
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Pod-level half of the "restricted" profile (numeric ids: runAsNonRoot needs no image USER)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_ID,
+        "runAsGroup": RUN_AS_ID,
+        "fsGroup": RUN_AS_ID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def sorted_env(env: dict[str, Any]) -> list[dict[str, Any]]:
+    """Env entries sorted by name; a str value becomes `value`, a dict is a `valueFrom` source."""
+    out = []
+    for name in sorted(env):
+        value = env[name]
+        out.append({"name": name, "value": value} if isinstance(value, str) else {"name": name, "valueFrom": value})
+    return out
+
+
+def flags_to_args(flags: dict[str, Any]) -> list[str]:
+    """`{"--port": 8000, "--x": True}` -> sorted `["--port", "8000", "--x"]` (True: bare flag, None: omitted)."""
+    args: list[str] = []
+    for flag in sorted(flags):
+        value = flags[flag]
+        if value is None or value is False:
+            continue
+        args.append(flag)
+        if value is not True:
+            args.append(str(value))
+    return args

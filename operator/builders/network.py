@@ -1,0 +1,197 @@
+"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices), the engine
+ConfigMap, PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
+
+Invariants: pure; a pool Service selects only pods that serve HTTP (rank 0 of a multi-node replica);
+the router discovers engines through the pool Services' EndpointSlices, so its Role grants exactly
+get/list/watch on endpointslices in its own namespace.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .common import (
+    ENGINE_PORT,
+    KV_PORT,
+    MASTER_PORT,
+    POD_INDEX_LABEL,
+    ROUTER_POOL,
+    ROUTER_PORT,
+    ClusterFeatures,
+    child_name,
+    container_security_context,
+    flags_to_args,
+    labels,
+    metadata,
+    pod_security_context,
+    selector_labels,
+    sorted_env,
+    spec_hash,
+)
+from .engine import LWS_WORKER_INDEX_LABEL, Topology, headless_name
+from .spec_view import ServiceView
+
+
+def pool_service(name: str, namespace: str, pool: str, topo: Topology) -> dict[str, Any]:
+    selector = selector_labels(name, pool)
+    if topo.workload == "LeaderWorkerSet":
+        selector[LWS_WORKER_INDEX_LABEL] = "0"
+    elif topo.workload == "StatefulSet":
+        selector[POD_INDEX_LABEL] = "0"
+    ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if pool in ("prefill", "decode"):
+        ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(child_name(name, pool), namespace, labels(name, pool, "engine")),
+        "spec": {"type": "ClusterIP", "selector": dict(sorted(selector.items())), "ports": ports},
+    }
+
+
+def headless_service(name: str, namespace: str, pool: str) -> dict[str, Any]:
+    """DNS for the ranks of StatefulSet groups; published before readiness so ranks can rendezvous."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(headless_name(name, pool), namespace, labels(name, pool, "engine")),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(name, pool),
+            "ports": [{"name": "dist", "port": MASTER_PORT, "targetPort": "dist", "protocol": "TCP"}],
+        },
+    }
+
+
+def pool_pdb(name: str, namespace: str, pool: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(child_name(name, pool), namespace, labels(name, pool, "engine")),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, pool)}},
+    }
+
+
+def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool: dict[str, list[str]]) -> dict:
+    """The engine configuration as JSON (what each pool runs), mounted read-only at /etc/tidepool."""
+    config = {
+        "model": {"uri": view.model_uri, "revision": view.model_revision, "quantization": view.quantization},
+        "mode": view.mode,
+        "parallelism": {"tensor": view.tensor, "pipeline": view.pipeline},
+        "args": args_by_pool,
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(child_name(name, "engine-config"), namespace, labels(name, "config", "config")),
+        "data": {"engine.json": json.dumps(config, sort_keys=True, indent=2)},
+    }
+
+
+def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
+    sa = child_name(name, ROUTER_POOL)
+    lbls = labels(name, ROUTER_POOL, "router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(sa, namespace, lbls)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(sa, namespace, lbls),
+            "rules": [
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(sa, namespace, lbls),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
+        },
+    ]
+
+
+def router_deployment(name: str, namespace: str, view: ServiceView, features: ClusterFeatures) -> dict[str, Any]:
+    flags: dict[str, Any] = {
+        "--port": ROUTER_PORT,
+        "--policy": view.router_policy,
+        "--discovery": "kubernetes",
+        "--namespace": namespace,
+    }
+    for pool in view.pool_names:
+        flags[f"--{pool}-service"] = child_name(name, pool)
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
+    container = {
+        "name": "router",
+        "image": features.router_image or view.image,
+        "command": ["tidepool", "router"],
+        "args": flags_to_args(flags),
+        "env": sorted_env({"HOME": "/tmp"}),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "livenessProbe": probe,
+        "readinessProbe": {**probe, "httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "securityContext": container_security_context(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    spec: dict[str, Any] = {
+        "serviceAccountName": child_name(name, ROUTER_POOL),
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": view.drain_timeout_s + 15,
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}],
+    }
+    if view.priority_class_name:
+        spec["priorityClassName"] = view.priority_class_name
+    if view.tolerations:
+        spec["tolerations"] = list(view.tolerations)
+    template = {"metadata": {"labels": labels(name, ROUTER_POOL, "router")}, "spec": spec}
+    template["metadata"]["labels"]["tidepool.dev/spec-hash"] = spec_hash(template)
+    template["metadata"]["labels"] = dict(sorted(template["metadata"]["labels"].items()))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
+        "spec": {
+            "replicas": view.router_replicas,
+            "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)},
+            "revisionHistoryLimit": 3,
+            "template": template,
+        },
+    }
+
+
+def router_service(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, ROUTER_POOL),
+            "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_url(name: str, namespace: str) -> str:
+    """The in-cluster endpoint clients use (the router Service; port 80)."""
+    return f"http://{child_name(name, ROUTER_POOL)}.{namespace}.svc"
+
+
+def service_monitor(name: str, namespace: str) -> dict[str, Any]:
+    """Scrapes /metrics of every pool Service and the router Service of this InferenceService."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(name, namespace, labels(name, "metrics", "metrics")),
+        "spec": {
+            "selector": {
+                "matchLabels": {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "tidepool"},
+                "matchExpressions": [{"key": "tidepool.dev/pool", "operator": "NotIn", "values": ["config"]}],
+            },
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+        },
+    }
