@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .request import Request
 
@@ -16,6 +17,9 @@ class ScheduledSeq:
     # True when this step reaches the end of the known tokens, so the next token is sampled.
     # Fixed at schedule time: the request grows once the sampled token is appended.
     needs_sample: bool
+    # Speculative decoding: proposed tokens fed after the request's known tokens (counted in
+    # num_new_tokens); the runner returns logits at the last known token and at each of them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -36,3 +40,16 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # request_id -> (sampled token logprob, [(token id, logprob)] top-n), when logprobs were asked for
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    # Speculative decoding, for sequences scheduled with spec_token_ids (never in sampled_token_ids):
+    # request_id -> target logits, a float32 torch.Tensor [num_spec + 1, vocab] (typed Any: no torch here)
+    spec_logits: dict[str, Any] = field(default_factory=dict)
+    # request_id -> tokens the rejection sampler emitted: accepted proposals, then one resampled/bonus token
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def new_token_ids(self, request_id: str) -> list[int]:
+        """Every token this step produced for the request, in order (empty when it produced none)."""
+        spec = self.spec_token_ids.get(request_id)
+        if spec is not None:
+            return spec
+        token = self.sampled_token_ids.get(request_id)
+        return [] if token is None else [token]
