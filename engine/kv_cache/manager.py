@@ -92,8 +92,24 @@ class KVCacheManager:
                 raise RuntimeError("block pool ran out after a successful capacity check")
             held.extend(fresh)
         if self.enable_prefix_caching:
-            self._register_full_blocks(request, num_computed + num_new_tokens)
+            # Capped at the request's own tokens: slots past them hold speculative proposals, which
+            # may be rejected, so a block is registered only once every token in it is real.
+            self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return True
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens (rejected speculative slots), tail first.
+
+        Those blocks were never registered in the prefix map (registration stops at the request's
+        real tokens), so they go back as worthless blocks, first in line for reuse.
+        """
+        blocks = self._blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(list(reversed(tail)))
 
     def free(self, request: Request, keep_hashes: bool = False) -> None:
         """Release all of a request's blocks (tail first, so its prefix outlives its suffix in the LRU)."""
