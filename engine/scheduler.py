@@ -114,7 +114,8 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, spec_token_ids: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """Pick this step's work; `spec_token_ids` are proposals (request id -> tokens) to verify this step."""
         budget = self.max_num_batched_tokens
         out = SchedulerOutput()
         scheduled: dict[str, ScheduledSeq] = {}
@@ -128,7 +129,10 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
-            while not self.kv_cache.allocate_slots(request, num_new):
+            spec = self._fit_proposals(request, num_new, budget, spec_token_ids)
+            if spec and not self.kv_cache.allocate_slots(request, num_new + len(spec)):
+                spec = []  # proposals never cost another request its place: retry without them
+            while not spec and not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._choose_victim(exclude=scheduled)
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
@@ -137,8 +141,8 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            scheduled[request.request_id] = self._scheduled(request, request.num_computed_tokens, num_new)
-            budget -= num_new
+            scheduled[request.request_id] = self._scheduled(request, request.num_computed_tokens, num_new, spec)
+            budget -= num_new + len(spec)
 
         # New work only when nothing had to be preempted: memory is tight otherwise.
         while self.waiting and budget > 0 and not preempted_this_step and len(self.running) < self.max_num_seqs:
@@ -176,22 +180,41 @@ class Scheduler:
             request = seq.request
             if request.is_finished:
                 continue
-            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens
-            token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None:
-                continue
-            request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
+            num_spec = len(seq.spec_token_ids)
+            tokens = runner_out.new_token_ids(request.request_id)
+            # KV is valid through the known tokens and the accepted proposals: every emitted token but
+            # the last (a rejected proposal's slot is recomputed with the right token next step).
+            num_accepted = max(len(tokens) - 1, 0)
+            request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens - num_spec + num_accepted
+            status = None
+            for token in tokens:  # stop conditions apply to every token, in order; none is emitted past a stop
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(request)
                 self._retire(request, status)
                 finished.append(request)
+            elif num_spec:
+                self.kv_cache.free_tail(request, request.num_tokens)
         return finished
 
     # ---- internals ----------------------------------------------------------------------------
-    def _scheduled(self, request: Request, start: int, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, request: Request, start: int, num_new: int, spec: list[int] | None = None) -> ScheduledSeq:
         needs_sample = start + num_new == request.num_tokens
-        return ScheduledSeq(request, start, num_new, self.kv_cache.block_ids(request.request_id), needs_sample)
+        spec = spec or []
+        block_ids = self.kv_cache.block_ids(request.request_id)
+        return ScheduledSeq(request, start, num_new + len(spec), block_ids, needs_sample, list(spec))
+
+    @staticmethod
+    def _fit_proposals(
+        request: Request, num_new: int, budget: int, spec_token_ids: dict[str, list[int]] | None
+    ) -> list[int]:
+        """The request's proposals that fit this step: only when it reaches its last known token."""
+        if not spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        return spec_token_ids.get(request.request_id, [])[: budget - num_new]
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
