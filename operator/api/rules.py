@@ -1,0 +1,293 @@
+"""Validation rules of InferenceService: each one a CEL rule for the API server plus the same check in Python.
+
+Invariants: a rule's message is written once and says what to fix; the CEL goes into the CRD
+(`crdgen` attaches it to the schema of `where`, the model class it is evaluated on) and the Python
+`check` mirrors it exactly, so `validate_spec` reports what the API server would refuse (the
+control-plane tests compare the two). CEL guards every optional field with `has()`; Python sees
+those fields as None. Rules on single values (quantities, int-or-percent) live with their types
+in `types.py`; bounds and enums live in the field definitions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from tidepool.operator.api import spec as s
+
+URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?|file:///.+)$"
+URI_MESSAGE = "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or file:///path"
+EXTRA_ARG_RE = r"^--[a-z0-9][-a-z0-9]*(=.*)?$"
+# `tidepool serve` flags the operator derives from the spec; setting them again via extraArgs would
+# fight the spec (and the engine's argparse takes the last one, silently).
+MANAGED_FLAGS = (
+    "model",
+    "tokenizer",
+    "host",
+    "port",
+    "served-model-name",
+    "dtype",
+    "block-size",
+    "max-model-len",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "gpu-memory-utilization",
+    "enable-prefix-caching",
+    "no-enable-prefix-caching",
+    "enable-chunked-prefill",
+    "no-enable-chunked-prefill",
+    "tensor-parallel-size",
+    "pipeline-parallel-size",
+    "quantization",
+    "revision",
+)
+MANAGED_FLAG_RE = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
+MAX_NAME_LENGTH = 40
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One validation rule. `where` is the model class whose schema carries the CEL (`self` = that object)."""
+
+    where: type[BaseModel]
+    cel: str
+    message: str
+    check: Callable[[Any], bool]
+    field_path: str | None = None
+
+    def to_cel(self) -> dict[str, str]:
+        out = {"rule": self.cel, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+def _bounded(pool: s.PoolSpec | None, replicas: int) -> bool:
+    return pool is None or pool.min_replicas <= replicas <= pool.max_replicas
+
+
+def _scale_to_zero_ok(spec: s.InferenceServiceSpec) -> bool:
+    pools = (spec.pools.unified, spec.pools.prefill, spec.pools.decode)
+    return not spec.autoscaling.scale_to_zero.enabled or all(p is None or p.min_replicas == 0 for p in pools)
+
+
+def _cel_min_zero(pool: str) -> str:
+    return f"(!has(self.pools.{pool}) || self.pools.{pool}.minReplicas == 0)"
+
+
+def _cel_bounded(pool: str) -> str:
+    p = f"self.pools.{pool}"
+    return f"(!has({p}) || (self.replicas >= {p}.minReplicas && self.replicas <= {p}.maxReplicas))"
+
+
+SPEC_RULES: tuple[Rule, ...] = (
+    Rule(
+        s.InferenceServiceSpec,
+        "self.mode != 'unified' || (has(self.pools.unified) && !has(self.pools.prefill) && !has(self.pools.decode))",
+        "mode unified needs pools.unified and no pools.prefill/pools.decode (or set mode: disaggregated)",
+        lambda x: x.mode != "unified" or (x.pools.unified is not None and x.pools.prefill is x.pools.decode is None),
+        ".pools",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "self.mode != 'disaggregated' || "
+        "(has(self.pools.prefill) && has(self.pools.decode) && !has(self.pools.unified))",
+        "mode disaggregated needs pools.prefill and pools.decode and no pools.unified",
+        lambda x: (
+            x.mode != "disaggregated"
+            or (x.pools.prefill is not None and x.pools.decode is not None and x.pools.unified is None)
+        ),
+        ".pools",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "!has(self.replicas) || (self.mode == 'unified' ? "
+        + _cel_bounded("unified")
+        + " : "
+        + _cel_bounded("decode")
+        + ")",
+        "spec.replicas must lie within minReplicas..maxReplicas of the scaled pool "
+        "(pools.unified, or pools.decode in disaggregated mode)",
+        lambda x: (
+            x.replicas is None or _bounded(x.pools.unified if x.mode == "unified" else x.pools.decode, x.replicas)
+        ),
+        ".replicas",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "self.resources.gpusPerReplica == self.parallelism.tensor * self.parallelism.pipeline || "
+        "(self.resources.gpusPerReplica == 0 && self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
+        "resources.gpusPerReplica must equal parallelism.tensor x parallelism.pipeline "
+        "(or be 0 to run on CPU with tensor = pipeline = 1)",
+        lambda x: (
+            x.resources.gpus_per_replica == x.parallelism.tensor * x.parallelism.pipeline
+            or (x.resources.gpus_per_replica == 0 and x.parallelism.tensor == x.parallelism.pipeline == 1)
+        ),
+        ".resources.gpusPerReplica",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "!self.autoscaling.scaleToZero.enabled || (" + " && ".join(_cel_min_zero(p) for p in s.POOL_NAMES) + ")",
+        "autoscaling.scaleToZero.enabled needs minReplicas: 0 on every pool",
+        _scale_to_zero_ok,
+        ".autoscaling.scaleToZero.enabled",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "self.router.replicas >= 1 || (self.mode == 'unified' && !self.autoscaling.scaleToZero.enabled)",
+        "router.replicas must be at least 1 in disaggregated mode and with scaleToZero "
+        "(the router hands prefill to decode and holds requests while a pool scales from zero)",
+        lambda x: x.router.replicas >= 1 or (x.mode == "unified" and not x.autoscaling.scale_to_zero.enabled),
+        ".router.replicas",
+    ),
+    Rule(
+        s.PoolSpec,
+        "self.minReplicas <= self.maxReplicas",
+        "minReplicas must not exceed maxReplicas",
+        lambda p: p.min_replicas <= p.max_replicas,
+        ".minReplicas",
+    ),
+    Rule(
+        s.PoolSpec,
+        "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
+        "replicas must lie between minReplicas and maxReplicas",
+        lambda p: p.min_replicas <= p.replicas <= p.max_replicas,
+        ".replicas",
+    ),
+    Rule(
+        s.ModelSource,
+        f"self.uri.matches('{URI_RE}')",
+        f"model.uri {URI_MESSAGE}",
+        lambda m: re.match(URI_RE, m.uri) is not None,
+        ".uri",
+    ),
+    Rule(
+        s.ModelSource,
+        "!has(self.revision) || self.uri.startsWith('hf://')",
+        "model.revision applies only to hf:// URIs; remove it or pin the version in the path",
+        lambda m: m.revision is None or m.uri.startswith("hf://"),
+        ".revision",
+    ),
+    Rule(
+        s.Speculative,
+        "self.method != 'draft' || has(self.draftModel)",
+        "speculative.method draft needs speculative.draftModel (the draft model's URI)",
+        lambda sp: sp.method != "draft" or sp.draft_model is not None,
+        ".draftModel",
+    ),
+    Rule(
+        s.Speculative,
+        "self.method != 'ngram' || !has(self.draftModel)",
+        "speculative.draftModel is only used with method draft; remove it or set method: draft",
+        lambda sp: sp.method != "ngram" or sp.draft_model is None,
+        ".draftModel",
+    ),
+    Rule(
+        s.Speculative,
+        f"!has(self.draftModel) || self.draftModel.matches('{URI_RE}')",
+        f"speculative.draftModel {URI_MESSAGE}",
+        lambda sp: sp.draft_model is None or re.match(URI_RE, sp.draft_model) is not None,
+        ".draftModel",
+    ),
+    Rule(
+        s.EngineSpec,
+        "!has(self.maxNumBatchedTokens) || self.maxNumBatchedTokens >= self.maxNumSeqs",
+        "engine.maxNumBatchedTokens must be at least engine.maxNumSeqs (every scheduled sequence needs a token)",
+        lambda e: e.max_num_batched_tokens is None or e.max_num_batched_tokens >= e.max_num_seqs,
+        ".maxNumBatchedTokens",
+    ),
+    Rule(
+        s.EngineSpec,
+        "self.chunkedPrefill || !has(self.maxNumBatchedTokens) || !has(self.maxModelLen) || "
+        "self.maxNumBatchedTokens >= self.maxModelLen",
+        "without chunkedPrefill engine.maxNumBatchedTokens must be at least engine.maxModelLen "
+        "(a whole prompt must fit in one step)",
+        lambda e: (
+            e.chunked_prefill
+            or e.max_num_batched_tokens is None
+            or e.max_model_len is None
+            or e.max_num_batched_tokens >= e.max_model_len
+        ),
+        ".maxNumBatchedTokens",
+    ),
+    Rule(
+        s.EngineSpec,
+        f"self.extraArgs.all(a, a.matches('{EXTRA_ARG_RE}'))",
+        "engine.extraArgs entries must each be --flag or --flag=value (lowercase flag names)",
+        lambda e: all(re.match(EXTRA_ARG_RE, a) for a in e.extra_args),
+        ".extraArgs",
+    ),
+    Rule(
+        s.EngineSpec,
+        f"self.extraArgs.all(a, !a.matches('{MANAGED_FLAG_RE}'))",
+        "engine.extraArgs must not set flags the operator derives from the spec "
+        "(model, host, port, dtype, parallelism and the engine fields); use the spec fields",
+        lambda e: not any(re.match(MANAGED_FLAG_RE, a) for a in e.extra_args),
+        ".extraArgs",
+    ),
+    Rule(
+        s.RolloutSpec,
+        "!((self.maxSurge == 0 || self.maxSurge == '0%') && (self.maxUnavailable == 0 || self.maxUnavailable == '0%'))",
+        "rollout.maxSurge and rollout.maxUnavailable cannot both be 0 (the rollout could never progress)",
+        lambda r: not (r.max_surge in (0, "0%") and r.max_unavailable in (0, "0%")),
+    ),
+    Rule(
+        s.Toleration,
+        "self.operator != 'Exists' || !has(self.value)",
+        "a toleration with operator Exists must not set value",
+        lambda t: t.operator != "Exists" or t.value is None,
+        ".value",
+    ),
+    Rule(
+        s.Toleration,
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "tolerationSeconds applies only to effect NoExecute",
+        lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+        ".tolerationSeconds",
+    ),
+    Rule(
+        s.ModelCache,
+        "has(self.size) || !has(self.storageClassName)",
+        "modelCache.storageClassName needs modelCache.size (it applies only to a claim the operator creates)",
+        lambda c: c.size is not None or c.storage_class_name is None,
+        ".storageClassName",
+    ),
+)
+
+# Root-level rules (self = the whole object); CEL may read metadata.name there.
+NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"
+NAME_RULE_MESSAGE = (
+    f"metadata.name must be at most {MAX_NAME_LENGTH} characters (child Services and pods add suffixes to it)"
+)
+
+
+def rules_for(model: type[BaseModel]) -> list[Rule]:
+    """Rules evaluated on objects of exactly this model class."""
+    return [r for r in SPEC_RULES if r.where is model]
+
+
+def _walk(obj: BaseModel) -> list[BaseModel]:
+    found = [obj]
+    for name in type(obj).model_fields:
+        value = getattr(obj, name)
+        items = value if isinstance(value, list) else value.values() if isinstance(value, dict) else [value]
+        for item in items:
+            if isinstance(item, BaseModel):
+                found.extend(_walk(item))
+    return found
+
+
+def validate_spec(spec: s.InferenceServiceSpec, name: str | None = None) -> list[str]:
+    """Messages of every rule the spec (and optionally metadata.name) breaks; [] when valid.
+
+    The same messages the API server returns for the CEL rules; use it where objects did not come
+    through the API server (dry runs, tests, the reconcile's last line of defence).
+    """
+    messages = [r.message for obj in _walk(spec) for r in rules_for(type(obj)) if not r.check(obj)]
+    if name is not None and len(name) > MAX_NAME_LENGTH:
+        messages.append(NAME_RULE_MESSAGE)
+    return list(dict.fromkeys(messages))

@@ -1,0 +1,356 @@
+"""`InferenceService.spec` as pydantic models: the single source of truth for the CRD schema.
+
+Every field carries a description (it becomes the CRD's), a default where one makes sense and
+bounds the API server enforces. Cross-field rules (mode vs pools, replicas within bounds,
+parallelism vs GPUs, ...) live in `rules.py` next to their CEL; this module is shapes only.
+
+Scale contract: `spec.replicas` is what the scale subresource (kubectl scale, HPA, KEDA) reads and
+writes. It is the replica count of the *scaled pool*: `unified` in unified mode, `decode` in
+disaggregated mode. When set it wins over that pool's `replicas`; when unset the pool's own
+`replicas` applies. Use `InferenceServiceSpec.pool_replicas(name)` instead of reading either field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StringConstraints
+
+from tidepool.operator.api.base import ApiModel
+from tidepool.operator.api.types import DnsSubdomain, IntOrPercent, Quantity, ShortString
+
+POOL_UNIFIED = "unified"
+POOL_PREFILL = "prefill"
+POOL_DECODE = "decode"
+POOL_NAMES = (POOL_UNIFIED, POOL_PREFILL, POOL_DECODE)
+DEFAULT_ENGINE_IMAGE = "ghcr.io/tidepool-dev/tidepool:0.1.0"
+
+Mode = Literal["unified", "disaggregated"]
+Quantization = Literal["none", "int8", "int4", "gptq", "awq"]
+RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
+ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
+
+# Empty-object CRD default on nested objects, so the API server fills in their inner defaults
+# (pydantic leaves `default_factory` fields without a schema default).
+_OBJECT_DEFAULT = {"default": {}}
+
+
+class ModelSource(ApiModel):
+    """Where the weights come from and how they are stored."""
+
+    uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
+        description=(
+            "Model location: hf://org/name (Hugging Face Hub), pvc://claim/path (a folder on a PersistentVolumeClaim "
+            "in this namespace), s3://bucket/prefix, or file:///path (a folder already present on the node)."
+        )
+    )
+    revision: ShortString | None = Field(
+        default=None, description="Hugging Face revision (branch, tag or commit) for hf:// URIs; unset means main."
+    )
+    quantization: Quantization = Field(
+        default="none",
+        description=(
+            "Weight quantization: none; int8/int4 (Tidepool weight-only, quantized at load); gptq/awq "
+            "(checkpoint already quantized with that method)."
+        ),
+    )
+
+
+class Speculative(ApiModel):
+    """Speculative decoding: propose tokens cheaply, verify them in one target-model step."""
+
+    method: Literal["ngram", "draft"] = Field(
+        description="ngram: propose from n-gram matches in the prompt; draft: propose with a smaller draft model."
+    )
+    draft_model: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = Field(
+        default=None, description="URI of the draft model (same schemes as model.uri); required when method is draft."
+    )
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="Tokens proposed per step.")
+
+
+class EngineSpec(ApiModel):
+    """The Tidepool engine each replica runs (`tidepool serve` flags)."""
+
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
+        default=DEFAULT_ENGINE_IMAGE, description="Container image holding the `tidepool` engine."
+    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto", description="Activation/weight dtype; auto uses the checkpoint's."
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16, le=1_048_576, description="Longest prompt+output in tokens; unset uses the model's."
+    )
+    max_num_seqs: int = Field(default=256, ge=1, le=4096, description="Most sequences scheduled in one step.")
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=1_048_576,
+        description="Token budget of one engine step; must be at least maxNumSeqs. Unset lets the engine choose.",
+    )
+    block_size: Literal[8, 16, 32, 64, 128] = Field(default=16, description="Tokens per KV-cache block.")
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use (weights + KV cache)."
+    )
+    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
+    chunked_prefill: bool = Field(
+        default=True, description="Split long prompts across steps so decodes are not stalled behind them."
+    )
+    speculative: Speculative | None = Field(default=None, description="Speculative decoding; unset disables it.")
+    extra_args: list[Annotated[str, StringConstraints(min_length=3, max_length=256)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Extra `tidepool serve` flags, one `--flag` or `--flag=value` per entry. Flags the operator sets itself "
+            "(--model, --host, --port, parallelism, and every field above) are refused."
+        ),
+    )
+
+
+class Parallelism(ApiModel):
+    """How one replica splits the model across GPUs."""
+
+    tensor: int = Field(default=1, ge=1, le=64, description="Tensor-parallel degree (GPUs sharing each layer).")
+    pipeline: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Pipeline-parallel degree (stages of consecutive layers); each stage runs in its own pod.",
+    )
+
+
+class Resources(ApiModel):
+    """Resources of one replica."""
+
+    gpus_per_replica: int = Field(
+        default=1,
+        ge=0,
+        le=512,
+        description=(
+            "GPUs one replica uses; must equal parallelism.tensor x parallelism.pipeline (0 runs on CPU, "
+            "with tensor = pipeline = 1). With pipeline > 1 each stage pod gets `tensor` GPUs."
+        ),
+    )
+    gpu_product: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+        default=None,
+        description="Required value of the node label nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
+    )
+    cpu: Quantity | None = Field(default=None, description="CPU request and limit per pod (e.g. 4, 500m).")
+    memory: Quantity | None = Field(default=None, description="Memory request and limit per pod (e.g. 32Gi).")
+
+
+class ResourceOverrides(ApiModel):
+    """Per-pool changes to `spec.resources` (GPU count stays global: it follows parallelism)."""
+
+    gpu_product: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+        default=None, description="Overrides resources.gpuProduct for this pool."
+    )
+    cpu: Quantity | None = Field(default=None, description="Overrides resources.cpu for this pool.")
+    memory: Quantity | None = Field(default=None, description="Overrides resources.memory for this pool.")
+
+
+class PoolSpec(ApiModel):
+    """One pool of identical engine replicas."""
+
+    replicas: ReplicaCount = Field(
+        default=1,
+        description=(
+            "Replicas when the autoscaler is off. For the scaled pool (unified, or decode when disaggregated) "
+            "spec.replicas wins when set."
+        ),
+    )
+    min_replicas: ReplicaCount = Field(default=1, description="Lower bound for the autoscaler (0 needs scaleToZero).")
+    max_replicas: ReplicaCount = Field(default=4, description="Upper bound for the autoscaler.")
+    resources: ResourceOverrides | None = Field(default=None, description="Overrides of spec.resources for this pool.")
+
+
+class Pools(ApiModel):
+    """The engine pools: `unified` alone, or `prefill` + `decode` (disaggregated serving)."""
+
+    unified: PoolSpec | None = Field(default=None, description="The only pool in unified mode.")
+    prefill: PoolSpec | None = Field(default=None, description="Prompt-processing pool in disaggregated mode.")
+    decode: PoolSpec | None = Field(default=None, description="Token-generation pool in disaggregated mode.")
+
+
+class RouterSpec(ApiModel):
+    """The data-plane router in front of the pools."""
+
+    replicas: ReplicaCount = Field(
+        default=1, description="Router replicas; at least 1 in disaggregated mode and with scale-to-zero."
+    )
+    policy: RouterPolicy = Field(default="prefix-aware", description="How the router picks an engine replica.")
+
+
+class Slo(ApiModel):
+    """Latency objectives the autoscaler defends."""
+
+    ttft_p95_ms: int | None = Field(default=None, ge=1, le=600_000, description="Target p95 time to first token (ms).")
+    itl_p95_ms: int | None = Field(default=None, ge=1, le=60_000, description="Target p95 inter-token latency (ms).")
+
+
+class ScaleToZero(ApiModel):
+    """Scale every pool to zero replicas after a quiet period."""
+
+    enabled: bool = Field(default=False, description="Allow scaling to zero (needs minReplicas 0 on every pool).")
+    idle_seconds: int = Field(
+        default=300, ge=30, le=86_400, description="Seconds without requests before scaling to zero."
+    )
+
+
+class Stabilization(ApiModel):
+    """Windows over which a scaling direction must persist before acting (fast up, slow down)."""
+
+    up_seconds: int = Field(default=0, ge=0, le=3600, description="Scale-up stabilization window in seconds.")
+    down_seconds: int = Field(default=300, ge=0, le=3600, description="Scale-down stabilization window in seconds.")
+
+
+class AutoscalingSpec(ApiModel):
+    """Tidepool's SLO-driven autoscaler."""
+
+    enabled: bool = Field(default=False, description="Run Tidepool's autoscaler for this service.")
+    mode: Literal["active", "advisory"] = Field(
+        default="active", description="active: scale the pools; advisory: decide and report in status, never act."
+    )
+    slo: Slo = Field(default_factory=Slo, json_schema_extra=_OBJECT_DEFAULT, description="Latency objectives.")
+    kv_cache_target: float = Field(
+        default=0.8, gt=0.0, le=1.0, description="Target KV-cache occupancy per replica (fraction)."
+    )
+    queue_depth_target: int = Field(
+        default=4, ge=0, le=10_000, description="Target waiting requests per replica (vllm:num_requests_waiting)."
+    )
+    scale_to_zero: ScaleToZero = Field(
+        default_factory=ScaleToZero, json_schema_extra=_OBJECT_DEFAULT, description="Scale-to-zero behaviour."
+    )
+    stabilization: Stabilization = Field(
+        default_factory=Stabilization, json_schema_extra=_OBJECT_DEFAULT, description="Stabilization windows."
+    )
+    max_step_percent: int = Field(
+        default=100, ge=1, le=1000, description="Largest change in one decision, in percent of current replicas."
+    )
+
+
+class RolloutSpec(ApiModel):
+    """Rolling-update bounds of the engine pools."""
+
+    max_surge: IntOrPercent = Field(default=1, description="Extra replicas (count or %) during a rollout.")
+    max_unavailable: IntOrPercent = Field(default=0, description="Replicas (count or %) that may be down in a rollout.")
+
+
+class Toleration(ApiModel):
+    """A Kubernetes pod toleration."""
+
+    key: Annotated[str, StringConstraints(max_length=316)] | None = Field(
+        default=None, description="Taint key; unset with operator Exists matches every taint."
+    )
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: Annotated[str, StringConstraints(max_length=63)] | None = Field(
+        default=None, description="Taint value to match (only with Equal)."
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; unset matches all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="How long a NoExecute taint is tolerated before eviction."
+    )
+
+
+class PodOverrides(ApiModel):
+    """Settings copied onto every engine and router pod."""
+
+    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+        default_factory=dict, max_length=32, description="Extra node selector labels."
+    )
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] = Field(
+        default_factory=dict, max_length=64, description="Extra pod annotations."
+    )
+    service_account_name: DnsSubdomain | None = Field(
+        default=None, description="ServiceAccount of the engine pods; unset uses the namespace default."
+    )
+    priority_class_name: DnsSubdomain | None = Field(default=None, description="PriorityClass of the engine pods.")
+
+
+class ModelCache(ApiModel):
+    """A PersistentVolumeClaim shared by the replicas to hold downloaded weights."""
+
+    claim_name: DnsSubdomain = Field(description="Name of the PersistentVolumeClaim (in this namespace).")
+    size: Quantity | None = Field(
+        default=None, description="Set to have the operator create the claim with this size; unset: it must exist."
+    )
+    storage_class_name: DnsSubdomain | None = Field(
+        default=None, description="StorageClass of a claim the operator creates (needs size); unset: default class."
+    )
+
+
+class InferenceServiceSpec(ApiModel):
+    """Desired state of an InferenceService: one model served by engine pools behind a router."""
+
+    model: ModelSource = Field(description="The model to serve.")
+    engine: EngineSpec = Field(
+        default_factory=EngineSpec, json_schema_extra=_OBJECT_DEFAULT, description="Engine settings."
+    )
+    parallelism: Parallelism = Field(
+        default_factory=Parallelism, json_schema_extra=_OBJECT_DEFAULT, description="Parallelism of one replica."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT, description="Resources of one replica."
+    )
+    mode: Mode = Field(default="unified", description="unified: one pool; disaggregated: prefill + decode pools.")
+    pools: Pools = Field(
+        default_factory=lambda: Pools(unified=PoolSpec()),
+        json_schema_extra={"default": {"unified": {}}},
+        description="Engine pools; must match mode (unified alone, or prefill and decode).",
+    )
+    replicas: ReplicaCount | None = Field(
+        default=None,
+        description=(
+            "Scale-subresource replicas: the unified pool's in unified mode, the decode pool's in disaggregated mode. "
+            "Wins over that pool's replicas when set."
+        ),
+    )
+    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_OBJECT_DEFAULT, description="Router.")
+    autoscaling: AutoscalingSpec = Field(
+        default_factory=AutoscalingSpec, json_schema_extra=_OBJECT_DEFAULT, description="Autoscaler settings."
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec, json_schema_extra=_OBJECT_DEFAULT, description="Rollout bounds."
+    )
+    pod: PodOverrides = Field(
+        default_factory=PodOverrides, json_schema_extra=_OBJECT_DEFAULT, description="Pod-level overrides."
+    )
+    model_cache: ModelCache | None = Field(default=None, description="Shared weight cache (a PVC); unset: emptyDir.")
+
+    def pool_names(self) -> tuple[str, ...]:
+        """The pools this spec's mode runs, in a stable order."""
+        return (POOL_UNIFIED,) if self.mode == "unified" else (POOL_PREFILL, POOL_DECODE)
+
+    def scaled_pool(self) -> str:
+        """The pool `spec.replicas` (the scale subresource) controls."""
+        return POOL_UNIFIED if self.mode == "unified" else POOL_DECODE
+
+    def pool(self, name: str) -> PoolSpec:
+        """The named pool's spec; KeyError when this mode does not run it or it is missing."""
+        spec = getattr(self.pools, name, None) if name in self.pool_names() else None
+        if spec is None:
+            raise KeyError(f"pool {name!r} is not part of this {self.mode} InferenceService")
+        return spec
+
+    def pool_replicas(self, name: str) -> int:
+        """Declared replicas of a pool, honouring the scale contract (spec.replicas wins for the scaled pool)."""
+        if name == self.scaled_pool() and self.replicas is not None:
+            return self.replicas
+        return self.pool(name).replicas
+
+    def pool_resources(self, name: str) -> Resources:
+        """spec.resources with the pool's overrides applied."""
+        overrides = self.pool(name).resources
+        if overrides is None:
+            return self.resources
+        return self.resources.model_copy(update=overrides.model_dump(exclude_none=True))
+
+    def pods_per_replica(self) -> int:
+        """Pods one replica spans: one per pipeline stage (multi-node when > 1)."""
+        return self.parallelism.pipeline
+
+    def gpus_per_pod(self) -> int:
+        """GPUs requested by each pod of a replica (tensor-parallel degree; 0 when running on CPU)."""
+        return 0 if self.resources.gpus_per_replica == 0 else self.parallelism.tensor

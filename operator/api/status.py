@@ -1,0 +1,140 @@
+"""`InferenceService.status` as pydantic models (written by the operator, read by kubectl/HPA).
+
+Invariants: condition types are Ready, Progressing, Degraded, ScalingLimited; a condition's
+lastTransitionTime changes only when its status does (see `set_condition`). `replicas` and
+`selector` serve the scale subresource and describe the scaled pool (unified, or decode when
+disaggregated); `selector` is a label-selector string (`a=b,c=d`) matching that pool's pods.
+Status models ignore unknown fields: the operator's framework may keep its own bookkeeping
+under status, and reading it must not fail.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, StringConstraints
+
+from tidepool.operator.api.base import ApiModel
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
+ConditionStatus = Literal["True", "False", "Unknown"]
+Timestamp = Annotated[str, StringConstraints(max_length=64), Field(json_schema_extra={"format": "date-time"})]
+_Reason = Annotated[str, StringConstraints(max_length=1024, pattern=r"^([A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?)?$")]
+
+
+def now_rfc3339() -> str:
+    """Current UTC time as Kubernetes writes it (second precision, Z suffix)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _condition_order(condition: Condition) -> tuple[int, str]:
+    known = condition.type in CONDITION_TYPES
+    return (CONDITION_TYPES.index(condition.type) if known else len(CONDITION_TYPES), condition.type)
+
+
+class StatusModel(ApiModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """A metav1.Condition."""
+
+    type: Annotated[str, StringConstraints(min_length=1, max_length=316)] = Field(
+        description="Ready, Progressing, Degraded or ScalingLimited."
+    )
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: _Reason = Field(default="", description="CamelCase reason for the last transition.")
+    message: Annotated[str, StringConstraints(max_length=32768)] = Field(
+        default="", description="Human-readable details: what is wrong and what to do."
+    )
+    last_transition_time: Timestamp | None = Field(default=None, description="When status last changed.")
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation this condition was computed from."
+    )
+
+
+class PoolStatus(StatusModel):
+    """Observed replicas of one pool."""
+
+    replicas: int = Field(default=0, ge=0, description="Pods (replicas) that exist.")
+    ready_replicas: int = Field(default=0, ge=0, description="Replicas passing readiness.")
+    desired_replicas: int = Field(default=0, ge=0, description="Replicas the operator is driving towards.")
+
+
+class AutoscalingPoolStatus(StatusModel):
+    """The autoscaler's last view of one pool."""
+
+    desired_replicas: int = Field(default=0, ge=0, description="Replicas the autoscaler wants.")
+    inputs: dict[str, float] = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Signals behind the decision (e.g. ttftP95Ms, itlP95Ms, kvCacheUsage, queueDepth).",
+    )
+
+
+class AutoscalingStatus(StatusModel):
+    """The autoscaler's last decision."""
+
+    mode: Literal["active", "advisory"] | None = Field(default=None, description="Mode the decision was made in.")
+    last_scale_time: Timestamp | None = Field(default=None, description="When replicas were last changed.")
+    last_decision: Annotated[str, StringConstraints(max_length=4096)] | None = Field(
+        default=None, description="Reason of the last decision."
+    )
+    pools: dict[str, AutoscalingPoolStatus] = Field(
+        default_factory=dict, max_length=3, description="Per-pool desired replicas and inputs."
+    )
+
+
+class InferenceServiceStatus(StatusModel):
+    """Observed state of an InferenceService."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, description="metadata.generation the operator last reconciled."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, max_length=16, description="Ready, Progressing, Degraded, ScalingLimited."
+    )
+    pools: dict[str, PoolStatus] = Field(
+        default_factory=dict, max_length=3, description="Per-pool replica counts, keyed unified/prefill/decode."
+    )
+    replicas: int | None = Field(default=None, ge=0, description="Scale subresource: replicas of the scaled pool.")
+    selector: Annotated[str, StringConstraints(max_length=4096)] | None = Field(
+        default=None, description="Scale subresource: label selector of the scaled pool's pods."
+    )
+    url: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
+        default=None, description="In-cluster URL of the OpenAI-compatible endpoint (the router Service)."
+    )
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of that type, if present."""
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    def set_condition(
+        self,
+        type_: str,
+        status: ConditionStatus,
+        reason: str,
+        message: str,
+        observed_generation: int | None = None,
+        now: str | None = None,
+    ) -> bool:
+        """Upsert a condition; lastTransitionTime moves only when status changes. True when anything changed."""
+        if type_ not in CONDITION_TYPES:
+            raise ValueError(f"unknown condition type {type_!r}; expected one of {CONDITION_TYPES}")
+        old = self.condition(type_)
+        keep_time = old is not None and old.status == status and old.last_transition_time is not None
+        new = Condition(
+            type=type_,
+            status=status,
+            reason=reason,
+            message=message,
+            last_transition_time=old.last_transition_time if keep_time and old else (now or now_rfc3339()),
+            observed_generation=observed_generation,
+        )
+        if old == new:
+            return False
+        others = [c for c in self.conditions if c.type != type_]
+        self.conditions = sorted([*others, new], key=_condition_order)
+        return True
