@@ -54,6 +54,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests = []
+        spec_rows: list[tuple[str, int, int]] = []  # (request id, first logits row, number of rows)
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
@@ -63,7 +64,10 @@ class ModelRunner:
             start, num_new = seq.num_computed_tokens, seq.num_new_tokens
             context_len = start + num_new
             query_start = len(input_ids)
-            input_ids.extend(seq.request.token_ids_slice(start, context_len))
+            # Speculative proposals follow the request's known tokens (they are not part of it yet).
+            num_known = context_len - len(seq.spec_token_ids)
+            input_ids.extend(seq.request.token_ids_slice(start, num_known))
+            input_ids.extend(seq.spec_token_ids)
             blocks = seq.block_ids
             for pos in range(start, context_len):
                 positions.append(pos)
@@ -82,7 +86,10 @@ class ModelRunner:
                         mask=build_prefill_mask(start, num_new, context_len, window, self.device),
                     )
                 )
-            if seq.needs_sample:
+            if seq.needs_sample and seq.spec_token_ids:
+                num_rows = len(seq.spec_token_ids) + 1  # the last known token and each proposal
+                spec_rows.append((seq.request.request_id, len(input_ids) - num_rows, num_rows))
+            elif seq.needs_sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(seq.request)
 
@@ -113,6 +120,13 @@ class ModelRunner:
             meta,
         )
         out = ModelRunnerOutput()
+        if spec_rows:
+            rows = torch.cat([torch.arange(first, first + n, device=self.device) for _, first, n in spec_rows])
+            spec_logits = self.model.compute_logits(hidden[rows])
+            offset = 0
+            for request_id, _, n in spec_rows:
+                out.spec_logits[request_id] = spec_logits[offset : offset + n]
+                offset += n
         if not sample_rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
