@@ -30,10 +30,6 @@ Quantization = Literal["none", "int8", "int4", "gptq", "awq"]
 RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
 ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
 
-# Empty-object CRD default on nested objects, so the API server fills in their inner defaults
-# (pydantic leaves `default_factory` fields without a schema default).
-_OBJECT_DEFAULT = {"default": {}}
-
 
 class ModelSource(ApiModel):
     """Where the weights come from and how they are stored."""
@@ -210,19 +206,15 @@ class AutoscalingSpec(ApiModel):
     mode: Literal["active", "advisory"] = Field(
         default="active", description="active: scale the pools; advisory: decide and report in status, never act."
     )
-    slo: Slo = Field(default_factory=Slo, json_schema_extra=_OBJECT_DEFAULT, description="Latency objectives.")
+    slo: Slo = Field(default_factory=Slo, description="Latency objectives.")
     kv_cache_target: float = Field(
         default=0.8, gt=0.0, le=1.0, description="Target KV-cache occupancy per replica (fraction)."
     )
     queue_depth_target: int = Field(
         default=4, ge=0, le=10_000, description="Target waiting requests per replica (vllm:num_requests_waiting)."
     )
-    scale_to_zero: ScaleToZero = Field(
-        default_factory=ScaleToZero, json_schema_extra=_OBJECT_DEFAULT, description="Scale-to-zero behaviour."
-    )
-    stabilization: Stabilization = Field(
-        default_factory=Stabilization, json_schema_extra=_OBJECT_DEFAULT, description="Stabilization windows."
-    )
+    scale_to_zero: ScaleToZero = Field(default_factory=ScaleToZero, description="Scale-to-zero behaviour.")
+    stabilization: Stabilization = Field(default_factory=Stabilization, description="Stabilization windows.")
     max_step_percent: int = Field(
         default=100, ge=1, le=1000, description="Largest change in one decision, in percent of current replicas."
     )
@@ -285,19 +277,12 @@ class InferenceServiceSpec(ApiModel):
     """Desired state of an InferenceService: one model served by engine pools behind a router."""
 
     model: ModelSource = Field(description="The model to serve.")
-    engine: EngineSpec = Field(
-        default_factory=EngineSpec, json_schema_extra=_OBJECT_DEFAULT, description="Engine settings."
-    )
-    parallelism: Parallelism = Field(
-        default_factory=Parallelism, json_schema_extra=_OBJECT_DEFAULT, description="Parallelism of one replica."
-    )
-    resources: Resources = Field(
-        default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT, description="Resources of one replica."
-    )
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
+    parallelism: Parallelism = Field(default_factory=Parallelism, description="Parallelism of one replica.")
+    resources: Resources = Field(default_factory=Resources, description="Resources of one replica.")
     mode: Mode = Field(default="unified", description="unified: one pool; disaggregated: prefill + decode pools.")
     pools: Pools = Field(
         default_factory=lambda: Pools(unified=PoolSpec()),
-        json_schema_extra={"default": {"unified": {}}},
         description="Engine pools; must match mode (unified alone, or prefill and decode).",
     )
     replicas: ReplicaCount | None = Field(
@@ -307,16 +292,10 @@ class InferenceServiceSpec(ApiModel):
             "Wins over that pool's replicas when set."
         ),
     )
-    router: RouterSpec = Field(default_factory=RouterSpec, json_schema_extra=_OBJECT_DEFAULT, description="Router.")
-    autoscaling: AutoscalingSpec = Field(
-        default_factory=AutoscalingSpec, json_schema_extra=_OBJECT_DEFAULT, description="Autoscaler settings."
-    )
-    rollout: RolloutSpec = Field(
-        default_factory=RolloutSpec, json_schema_extra=_OBJECT_DEFAULT, description="Rollout bounds."
-    )
-    pod: PodOverrides = Field(
-        default_factory=PodOverrides, json_schema_extra=_OBJECT_DEFAULT, description="Pod-level overrides."
-    )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="Router.")
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaler settings.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout bounds.")
+    pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level overrides.")
     model_cache: ModelCache | None = Field(default=None, description="Shared weight cache (a PVC); unset: emptyDir.")
 
     def pool_names(self) -> tuple[str, ...]:

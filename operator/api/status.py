@@ -93,7 +93,11 @@ class InferenceServiceStatus(StatusModel):
         default=None, ge=0, description="metadata.generation the operator last reconciled."
     )
     conditions: list[Condition] = Field(
-        default_factory=list, max_length=16, description="Ready, Progressing, Degraded, ScalingLimited."
+        default_factory=list,
+        max_length=16,
+        description="Ready, Progressing, Degraded, ScalingLimited.",
+        # One entry per type, merged by type under server-side apply (as metav1.Condition lists are).
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     pools: dict[str, PoolStatus] = Field(
         default_factory=dict, max_length=3, description="Per-pool replica counts, keyed unified/prefill/decode."
