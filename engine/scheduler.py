@@ -187,10 +187,11 @@ class Scheduler:
             num_accepted = max(len(tokens) - 1, 0)
             request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens - num_spec + num_accepted
             status = None
-            for token in tokens:  # stop conditions apply to every token, in order; none is emitted past a stop
+            for index, token in enumerate(tokens):  # stop conditions apply to every token, in order
                 request.output_token_ids.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
+                    del tokens[index + 1 :]  # none is emitted past a stop: the runner output lists only emitted ones
                     break
             if status is not None:
                 self.running.remove(request)
