@@ -31,6 +31,8 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
+from .spec_decode.emit import feed_tokens
+from .spec_decode.speculator import Speculator
 from .stats import EngineStats, RequestMetrics
 from .tokenizer import Tokenizer
 
@@ -76,6 +78,13 @@ class LLMEngine:
         )
         self.sampler = Sampler(config.seed, rc.device)
         self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_blocks, self.sampler, rc.device)
+        self.speculator: Speculator | None = None
+        if config.speculative is not None:
+            self.speculator = Speculator.build(
+                config.speculative, self.sampler, self.tokenizer, self.model_config, rc.dtype, rc.device,
+                rc.max_model_len, rc.max_num_batched_tokens, config.block_size, num_blocks, config.max_num_seqs,
+                config.show_progress,
+            )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         # P/D disaggregation (kv_transfer): requests whose KV goes to a decode engine once prefilled,
@@ -189,6 +198,8 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            spec_num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            spec_num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
             **step,
         )
 
@@ -198,7 +209,8 @@ class LLMEngine:
         start = time.monotonic()
         self._admit_imports()
         ready, self._import_outputs = self._import_outputs, []
-        sched_out = self.scheduler.schedule()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        sched_out = self.scheduler.schedule(proposals)
         if sched_out.is_empty:
             return ready
         num_prompt_tokens = sum(
@@ -210,6 +222,8 @@ class LLMEngine:
             for seq in sched_out.scheduled
         )
         runner_out = self.runner.execute(sched_out)
+        if self.speculator is not None:
+            self.speculator.verify(sched_out, runner_out)
         if self._producers:
             self._send_prefilled_kv(sched_out, runner_out)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
@@ -217,7 +231,9 @@ class LLMEngine:
         self.last_stats = self._stats_with(
             step_num_batched_tokens=sched_out.num_batched_tokens,
             step_num_prompt_tokens=num_prompt_tokens,
-            step_num_generation_tokens=len(runner_out.sampled_token_ids),
+            step_num_generation_tokens=sum(
+                len(runner_out.new_token_ids(s.request.request_id)) for s in sched_out.scheduled
+            ),
             step_num_preemptions=sched_out.num_preemptions,
             step_duration_s=now - start,
         )
@@ -225,9 +241,10 @@ class LLMEngine:
         stopped_by_text: list[str] = []
         for seq in sched_out.scheduled:
             request = seq.request
-            token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None:
+            tokens = runner_out.new_token_ids(request.request_id)
+            if not tokens:
                 continue
+            token = tokens[-1]  # logprobs only come with one-token steps: no speculation for those requests
             tracked = self._tracked[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -237,10 +254,12 @@ class LLMEngine:
                 sampled_lp, top = entry
                 tracked.logprobs.append({**dict(top), token: sampled_lp})
                 tracked.cumulative_logprob += sampled_lp
-            match = tracked.detokenizer.update([token])
+            match = feed_tokens(tracked.detokenizer, request, tokens)
             if request.request_id in finished:
                 if request.stop_token_id is not None:
                     tracked.stop_reason = request.stop_token_id
+                elif match is not None and request.status == RequestStatus.FINISHED_STOPPED:
+                    tracked.stop_reason = match.stop_str  # a stop string before the scheduler's stop token
                 outputs.append(self._finish_output(request))
             elif match is not None:
                 tracked.stop_reason = match.stop_str
@@ -379,6 +398,8 @@ class LLMEngine:
         request.finished_time = time.monotonic()
         tracked.detokenizer.finish()
         self.sampler.release(request.request_id)
+        if self.speculator is not None:
+            self.speculator.release(request.request_id)
         return self._output(tracked, finished=True)
 
     # ---- sizing -------------------------------------------------------------------------------

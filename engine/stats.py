@@ -23,6 +23,9 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up in the prefix cache
     prefix_cache_hits: int  # tokens found there
     num_preemptions_total: int
+    # Speculative decoding (cumulative; zero when it is off):
+    spec_num_draft_tokens: int = 0  # proposed tokens verified by the target
+    spec_num_accepted_tokens: int = 0  # of which accepted
     # Of the last step (zero before the first):
     step_num_batched_tokens: int = 0  # tokens computed in the step (prefill + decode)
     step_num_prompt_tokens: int = 0  # of which prompt tokens (prefill and recompute after preemption)

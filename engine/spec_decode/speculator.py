@@ -1,0 +1,173 @@
+"""The engine's speculative-decoding step: propose before scheduling, verify after the forward pass.
+
+`propose` runs before `Scheduler.schedule`: for every running request that is decoding (its
+next token is the one to sample), the proposer suggests K_r tokens, K_r derived per request
+(`num_spec_tokens_for`) and zero for everyone while the batch is too large to pay
+(`speculation_pays`). The scheduler feeds them after the pending token (dropping them when the
+budget or KV memory is short), the runner returns the target logits at each position, and
+`verify` turns those into emitted tokens with the rejection sampler, using the target sampler's
+own processing of each position's logits (penalties see the proposals before that position),
+so the emitted tokens have exactly the distribution plain decoding would give. Counters feed
+`vllm:spec_decode_num_draft_tokens` / `vllm:spec_decode_num_accepted_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..config import ModelConfig
+from ..request import Request
+from ..sampler import Sampler
+from ..sched_output import ModelRunnerOutput, SchedulerOutput
+from ..tokenizer import Tokenizer
+from .config import SpeculativeConfig, num_spec_tokens_for, speculation_pays
+from .draft import DraftProposer
+from .ngram import NgramProposer
+from .rejection_sampler import greedy_verify, rejection_sample
+
+logger = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        sampler: Sampler,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        draft: DraftProposer | None = None,
+    ) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
+        self.draft = draft
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self.num_draft_tokens = 0  # proposals verified (cumulative)
+        self.num_accepted_tokens = 0  # of which accepted
+        self.num_verified_seqs = 0  # verification rows (one per request per step with proposals)
+
+    @classmethod
+    def build(
+        cls,
+        config: SpeculativeConfig,
+        sampler: Sampler,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        block_size: int,
+        num_kv_blocks: int,
+        max_num_seqs: int,
+        show_progress: bool = True,
+    ) -> Speculator:
+        draft = None
+        if config.method == "draft" and config.draft_model is not None:
+            # As many blocks as the target plus each request's K proposals: the draft is smaller, so
+            # this costs less memory than the target's cache and never runs out before it does.
+            extra = max_num_seqs * -(-config.num_speculative_tokens // block_size)
+            draft = DraftProposer(
+                config.draft_model,
+                tokenizer,
+                model_config,
+                sampler,
+                dtype,
+                device,
+                max_model_len,
+                block_size,
+                num_kv_blocks + extra,
+                show_progress,
+            )
+        logger.info(
+            "speculative decoding: method=%s, K=%d, off at >= %d running requests",
+            config.method,
+            config.num_speculative_tokens,
+            config.disable_by_batch_size,
+        )
+        return cls(config, sampler, max_model_len, max_num_batched_tokens, draft)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def release(self, request_id: str) -> None:
+        self._draft_probs.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """Proposals for this step's decoding requests (request id -> tokens); empty when speculation is off."""
+        self._draft_probs.clear()
+        k = self.config.num_speculative_tokens
+        if not running or not speculation_pays(
+            len(running), k, self.max_num_batched_tokens, self.config.disable_by_batch_size
+        ):
+            return {}
+        wanted: list[tuple[Request, int]] = []
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # still prefilling: its next step samples no proposal-able position
+            params = request.sampling_params
+            num_spec = num_spec_tokens_for(
+                k,
+                request.num_tokens,
+                request.num_output_tokens,
+                params.max_tokens,
+                self.max_model_len,
+                params.logprobs is not None,
+            )
+            if num_spec > 0:
+                wanted.append((request, num_spec))
+        if self.ngram is not None:
+            proposals = {}
+            for request, num_spec in wanted:
+                tokens = self.ngram.propose(request.all_token_ids, num_spec)
+                if tokens:
+                    proposals[request.request_id] = tokens
+            return proposals
+        if self.draft is None:
+            return {}
+        drafted = self.draft.propose(wanted)
+        self._draft_probs = {request_id: proposal.probs for request_id, proposal in drafted.items()}
+        return {request_id: proposal.token_ids for request_id, proposal in drafted.items()}
+
+    @torch.inference_mode()
+    def verify(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Fill `runner_out.spec_token_ids` for every sequence that was scheduled with proposals."""
+        for seq in sched_out.scheduled:
+            if not (seq.spec_token_ids and seq.needs_sample):
+                continue
+            request = seq.request
+            request_id = request.request_id
+            logits = runner_out.spec_logits.pop(request_id)
+            proposed = seq.spec_token_ids  # possibly fewer than proposed: the scheduler trims to the budget
+            num_spec = len(proposed)
+            # Row i is the distribution after the request's tokens plus proposals [0, i).
+            views = [request] + [
+                dataclasses.replace(request, output_token_ids=request.output_token_ids + proposed[:i])
+                for i in range(1, num_spec + 1)
+            ]
+            target_probs = self.sampler.probs(logits, views)
+            if request.sampling_params.is_greedy:
+                emitted = greedy_verify(target_probs.argmax(dim=-1).tolist(), proposed)
+            else:
+                draft_probs = self._draft_probs.get(request_id)
+                if draft_probs is not None:
+                    draft_probs = draft_probs[:num_spec].unsqueeze(0)
+                tokens, num_accepted = rejection_sample(
+                    target_probs.unsqueeze(0),
+                    torch.tensor([proposed], dtype=torch.long, device=target_probs.device),
+                    draft_probs,
+                    self.sampler.generator_for(request),
+                )
+                emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()
+            runner_out.spec_token_ids[request_id] = emitted
+            self.num_draft_tokens += num_spec
+            self.num_accepted_tokens += len(emitted) - 1
+            self.num_verified_seqs += 1
