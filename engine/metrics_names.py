@@ -33,6 +33,12 @@ NUM_PREEMPTIONS = "vllm:num_preemptions"  # preemptions by the scheduler
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries"  # prompt tokens looked up in the prefix cache
 PREFIX_CACHE_HITS = "vllm:prefix_cache_hits"  # of those, tokens found
 
+# Speculative decoding counters (exposed with `_total`; stay 0 on an engine without speculation).
+# Kept out of COUNTERS so that tuple stays the always-present core set.
+SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"  # proposed tokens verified by the target
+SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"  # of those, accepted
+SPEC_DECODE_COUNTERS = (SPEC_DECODE_NUM_DRAFT_TOKENS, SPEC_DECODE_NUM_ACCEPTED_TOKENS)
+
 # Histograms
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"  # arrival -> first token
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"  # between consecutive tokens of a request
