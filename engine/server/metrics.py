@@ -17,6 +17,8 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -94,6 +96,9 @@ REQUEST_LATENCY_BUCKETS = (
     1920.0,
     7680.0,
 )
+logger = logging.getLogger(__name__)
+SPEC_LOG_INTERVAL_S = 10.0  # how often the speculative-decoding acceptance rate goes to the log (when it moved)
+
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -155,6 +160,9 @@ class EngineMetrics:
             names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens."
         )
         self._prefix_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.")
+        self._spec_draft = counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.")
+        self._spec_accepted = counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.")
+        self._spec_logged = (0, 0, time.monotonic())  # (draft, accepted, when) at the last acceptance log line
 
         self._ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS
@@ -204,6 +212,8 @@ class EngineMetrics:
             "_preemptions",
             "_prefix_queries",
             "_prefix_hits",
+            "_spec_draft",
+            "_spec_accepted",
             "_ttft",
             "_itl",
             "_e2e",
@@ -228,7 +238,27 @@ class EngineMetrics:
         self._preemptions.inc(max(0, stats.num_preemptions_total - (last.num_preemptions_total if last else 0)))
         self._prefix_queries.inc(max(0, stats.prefix_cache_queries - (last.prefix_cache_queries if last else 0)))
         self._prefix_hits.inc(max(0, stats.prefix_cache_hits - (last.prefix_cache_hits if last else 0)))
+        self._spec_draft.inc(max(0, stats.spec_num_draft_tokens - (last.spec_num_draft_tokens if last else 0)))
+        self._spec_accepted.inc(max(0, stats.spec_num_accepted_tokens - (last.spec_num_accepted_tokens if last else 0)))
         self._last = stats
+        self._log_acceptance(stats)
+
+    def _log_acceptance(self, stats: EngineStats) -> None:
+        """Every SPEC_LOG_INTERVAL_S, when proposals were verified since the last line: the acceptance rate."""
+        draft, accepted, when = self._spec_logged
+        now = time.monotonic()
+        if stats.spec_num_draft_tokens == draft or now - when < SPEC_LOG_INTERVAL_S:
+            return
+        new_draft, new_accepted = stats.spec_num_draft_tokens - draft, stats.spec_num_accepted_tokens - accepted
+        logger.info(
+            "spec decode: acceptance rate %.1f%% (%d of %d proposed tokens in the last %.0f s), %.1f%% overall",
+            100.0 * new_accepted / max(new_draft, 1),
+            new_accepted,
+            new_draft,
+            now - when,
+            100.0 * stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1),
+        )
+        self._spec_logged = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens, now)
 
     def record_step(self, step: EngineStats) -> None:
         """Per-step numbers of `LLMEngine.last_stats`, once per executed step."""
