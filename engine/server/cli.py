@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
@@ -91,6 +98,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         show_progress=False,
+        speculative=_speculative_config(args.speculative_config),
     )
     return ServerConfig(
         engine=engine,
@@ -99,6 +107,18 @@ def _server_config(args: argparse.Namespace) -> Any:
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
     )
+
+
+def _speculative_config(raw: str | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--speculative-config is not valid JSON ({err}); pass a JSON object") from err
+    if not isinstance(value, dict):
+        raise ValueError('--speculative-config must be a JSON object, e.g. {"method": "ngram", ...}')
+    return value
 
 
 def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
