@@ -6,8 +6,9 @@ give the same output, byte for byte once dumped with sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
-Service, ServiceAccount, Role and RoleBinding; the engine ConfigMap; a ServiceMonitor when the CRD
-exists. `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
+Service, ServiceAccount, Role and RoleBinding; the engine ConfigMap; the model-cache claim when
+`modelCache.size` asks for one; a ServiceMonitor when the CRD exists. `replicas_by_pool` (the
+autoscaler's seam) overrides the spec's replicas per pool.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, ClusterFeatures, selector_labels, spec_hash
 from .engine import pool_workloads, topology
 from .network import (
+    cache_claim,
     engine_config_map,
     headless_service,
     pool_pdb,
@@ -32,6 +34,7 @@ from .spec_view import POOLS_BY_MODE, SCALED_POOL, PoolView, ServiceView, SpecEr
 
 # Apply order: what others reference first (config, RBAC), then Services, then workloads.
 KIND_ORDER = (
+    "PersistentVolumeClaim",
     "ConfigMap",
     "ServiceAccount",
     "Role",
@@ -110,6 +113,9 @@ def build_children(
             children.append(headless_service(name, namespace, pool_name))
         children.append(pool_pdb(name, namespace, pool_name))
     children.append(engine_config_map(name, namespace, view, args_by_pool))
+    claim = cache_claim(name, namespace, view)
+    if claim:
+        children.append(claim)
     children += router_rbac(name, namespace)
     children.append(router_deployment(name, namespace, view, features))
     children.append(router_service(name, namespace))
@@ -117,7 +123,10 @@ def build_children(
         children.append(service_monitor(name, namespace))
     if owner:
         for child in children:
-            child["metadata"]["ownerReferences"] = [dict(owner)]
+            ref = dict(owner)
+            if child["kind"] == "PersistentVolumeClaim":
+                ref["controller"] = False  # a shared cache may be owned by several InferenceServices
+            child["metadata"]["ownerReferences"] = [ref]
     return sorted(children, key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
 
 

@@ -56,23 +56,26 @@ class Topology:
 
 
 def topology(view: ServiceView, pool: PoolView, features: ClusterFeatures) -> Topology:
-    gpus = int(pool.gpus or view.gpus_per_replica)
-    if gpus < 1:
-        raise SpecError(f"spec.resources.gpusPerReplica must be >= 1 (pool {pool.name})")
-    per_node = features.gpus_per_node
-    if gpus <= per_node:
-        return Topology(gpus, 1, gpus, "Deployment")
-    if gpus % per_node:
+    """A replica is one pod per pipeline stage with `tensor` GPUs each (the API's contract)."""
+    if view.gpus_per_replica == 0:  # CPU replicas (tests, demos): never multi-node
+        if view.pipeline > 1 or view.tensor > 1:
+            raise SpecError("spec.resources.gpusPerReplica 0 (CPU) needs parallelism.tensor = pipeline = 1")
+        return Topology(0, 1, 0, "Deployment")
+    if view.tensor > features.gpus_per_node:
         raise SpecError(
-            f"a {pool.name} replica needs {gpus} GPUs, more than one node's {per_node}: "
-            f"use a multiple of {per_node} so each node runs a whole shard"
+            f"parallelism.tensor {view.tensor} needs more GPUs than one node has ({features.gpus_per_node}); "
+            "tensor parallelism stays within a node: lower tensor and raise pipeline"
         )
-    return Topology(gpus, gpus // per_node, per_node, "LeaderWorkerSet" if features.has_lws else "StatefulSet")
+    nnodes = view.pipeline
+    if nnodes == 1:
+        return Topology(view.tensor, 1, view.tensor, "Deployment")
+    workload = "LeaderWorkerSet" if features.has_lws else "StatefulSet"
+    return Topology(view.tensor * nnodes, nnodes, view.tensor, workload)
 
 
 def startup_budget_s(view: ServiceView, topo: Topology) -> int:
     """Time allowed for the engine to load: 10 min plus 10 min per GPU of the replica (≥ 30 min from 2 GPUs)."""
-    return min(600 * (1 + topo.gpus_per_replica), 4 * 3600)
+    return min(600 * (1 + max(topo.gpus_per_replica, 0)), 4 * 3600)
 
 
 def engine_flags(
@@ -142,11 +145,13 @@ def rank_env(service: str, namespace: str, pool: str, topo: Topology) -> dict[st
 
 
 def _resources(view: ServiceView, pool: PoolView, topo: Topology) -> dict[str, Any]:
-    requests: dict[str, str] = {"nvidia.com/gpu": str(topo.gpus_per_pod)}
-    limits: dict[str, str] = {"nvidia.com/gpu": str(topo.gpus_per_pod)}
+    requests: dict[str, str] = {}
+    limits: dict[str, str] = {}
+    if topo.gpus_per_pod:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(topo.gpus_per_pod)
     cpu, memory = pool.cpu or view.cpu, pool.memory or view.memory
     if cpu:
-        requests["cpu"] = str(cpu)
+        requests["cpu"] = limits["cpu"] = str(cpu)
     if memory:
         requests["memory"] = limits["memory"] = str(memory)
     return {"requests": requests, "limits": limits}
@@ -220,10 +225,15 @@ def pod_template(
         "securityContext": container_security_context(),
         "volumeMounts": sorted(mounts, key=lambda m: m["mountPath"]),
     }
-    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}, *view.tolerations]
+    tolerations = list(view.tolerations)
     node_selector = dict(view.node_selector)
-    if view.gpu_product:
-        node_selector.setdefault("nvidia.com/gpu.product", view.gpu_product)
+    if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
+        gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        if not any(contains_toleration(t, gpu_taint) for t in tolerations):
+            tolerations.insert(0, gpu_taint)
+        gpu_product = pool.gpu_product or view.gpu_product
+        if gpu_product:
+            node_selector.setdefault("nvidia.com/gpu.product", gpu_product)
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(ENGINE_PORT),
@@ -237,8 +247,9 @@ def pod_template(
         "initContainers": [s.init_container for s in sources if s.init_container],
         "containers": [container],
         "volumes": sorted(volumes, key=lambda v: v["name"]),
-        "tolerations": tolerations,
     }
+    if tolerations:
+        spec["tolerations"] = tolerations
     if node_selector:
         spec["nodeSelector"] = dict(sorted(node_selector.items()))
     if view.service_account_name:
@@ -254,6 +265,10 @@ def pod_template(
     template["metadata"]["labels"] = dict(sorted(template["metadata"]["labels"].items()))
     template["metadata"]["annotations"] = dict(sorted(annotations.items()))
     return template
+
+
+def contains_toleration(have: dict[str, Any], want: dict[str, Any]) -> bool:
+    return all(have.get(k) == v for k, v in want.items())
 
 
 def cache_volume_source(view: ServiceView) -> dict[str, Any]:

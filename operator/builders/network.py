@@ -90,6 +90,24 @@ def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool
     }
 
 
+def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] | None:
+    """The shared model-cache claim, when the spec asks the operator to create it (modelCache.size)."""
+    if not (view.cache_claim and view.cache_size):
+        return None
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany"],  # every replica of every pool reads (and fills) it
+        "resources": {"requests": {"storage": str(view.cache_size)}},
+    }
+    if view.cache_storage_class:
+        spec["storageClassName"] = view.cache_storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": metadata(view.cache_claim, namespace, labels(name, "cache", "cache")),
+        "spec": spec,
+    }
+
+
 def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
     sa = child_name(name, ROUTER_POOL)
     lbls = labels(name, ROUTER_POOL, "router")

@@ -2,8 +2,10 @@
 
 The builders consume this view rather than the pydantic models so that they depend only on the
 field names of the API contract (issue #5), not on how `tidepool.operator.api` nests its classes.
-The reconciler first validates the raw spec with `InferenceServiceSpec` (defaults filled in), dumps
-it by alias and hands the dict to `ServiceView.from_spec`; tests may pass plain dicts.
+The reconciler first validates the raw spec with `InferenceServiceSpec` (defaults filled in) and
+`validate_spec`, dumps it with `to_wire()` and hands the dict to `ServiceView.from_spec`; tests may
+pass plain dicts. Parallelism follows the API contract: a replica is `pipeline` pods (one per stage)
+of `tensor` GPUs each; `gpusPerReplica` 0 runs on CPU.
 
 Invariants: pure (no I/O), frozen dataclasses, every default equals the API's default. Errors a
 spec can never recover from raise `SpecError` with a message naming the field to fix.
@@ -30,7 +32,7 @@ class PoolView:
     replicas: int  # replicas from the spec (before any autoscaler override)
     min_replicas: int
     max_replicas: int
-    gpus: int | None  # resources override: GPUs per replica
+    gpu_product: str | None  # resources overrides of this pool
     cpu: str | None
     memory: str | None
 
@@ -69,6 +71,8 @@ class ServiceView:
     service_account_name: str | None = None
     priority_class_name: str | None = None
     cache_claim: str | None = None  # shared model-cache PVC; None: an emptyDir per pod
+    cache_size: str | None = None  # set: the operator creates the claim
+    cache_storage_class: str | None = None
     drain_timeout_s: int = 30
 
     @property
@@ -88,9 +92,9 @@ def _get(d: Mapping[str, Any] | None, key: str, default: Any = None) -> Any:
 
 
 def _int_or_str(value: Any, default: str) -> str | int:
-    if value is None:
-        return default
-    return value if isinstance(value, int) else str(value)
+    """An IntOrString: "3" and 3 both mean three replicas, "25%" stays a percentage."""
+    value = default if value is None else value
+    return value if isinstance(value, int) or str(value).endswith("%") else int(value)
 
 
 def _view(spec: Mapping[str, Any]) -> ServiceView:
@@ -100,7 +104,7 @@ def _view(spec: Mapping[str, Any]) -> ServiceView:
     res = _get(spec, "resources", {})
     router = _get(spec, "router", {})
     rollout = _get(spec, "rollout", {})
-    pod = _get(spec, "pod", None) or _get(spec, "podOverrides", {}) or {}
+    pod = _get(spec, "pod", {})
     cache = _get(spec, "modelCache", {})
     mode = _get(spec, "mode", "unified")
     if mode not in POOLS_BY_MODE:
@@ -114,7 +118,7 @@ def _view(spec: Mapping[str, Any]) -> ServiceView:
     tensor, pipeline = int(_get(par, "tensor", 1)), int(_get(par, "pipeline", 1))
     if tensor < 1 or pipeline < 1:
         raise SpecError("spec.parallelism.tensor and .pipeline must be >= 1")
-    gpus = int(_get(res, "gpusPerReplica", _get(res, "gpus", tensor * pipeline)))
+    gpus = int(_get(res, "gpusPerReplica", tensor * pipeline))
     pools_spec = _get(spec, "pools", {})
     scaled = SCALED_POOL[mode]
     pools: dict[str, PoolView] = {}
@@ -131,7 +135,7 @@ def _view(spec: Mapping[str, Any]) -> ServiceView:
             replicas=int(replicas),
             min_replicas=int(_get(p, "minReplicas", 0)),
             max_replicas=int(_get(p, "maxReplicas", max(int(replicas), 1))),
-            gpus=_get(pres, "gpusPerReplica", _get(pres, "gpus")),
+            gpu_product=_get(pres, "gpuProduct"),
             cpu=_get(pres, "cpu"),
             memory=_get(pres, "memory"),
         )
@@ -160,13 +164,15 @@ def _view(spec: Mapping[str, Any]) -> ServiceView:
         pools=pools,
         router_replicas=int(_get(router, "replicas", 1)),
         router_policy=_get(router, "policy", "prefix-aware"),
-        max_surge=_int_or_str(_get(rollout, "maxSurge"), "25%"),
+        max_surge=_int_or_str(_get(rollout, "maxSurge"), "1"),
         max_unavailable=_int_or_str(_get(rollout, "maxUnavailable"), "0"),
         node_selector=dict(_get(pod, "nodeSelector", {})),
         tolerations=tuple(_get(pod, "tolerations", ())),
         annotations=dict(_get(pod, "annotations", {})),
         service_account_name=_get(pod, "serviceAccountName"),
         priority_class_name=_get(pod, "priorityClassName"),
-        cache_claim=_get(cache, "claimName", _get(cache, "pvc")),
+        cache_claim=_get(cache, "claimName"),
+        cache_size=_get(cache, "size"),
+        cache_storage_class=_get(cache, "storageClassName"),
         drain_timeout_s=int(_get(engine, "drainTimeoutSeconds", 30)),
     )
