@@ -45,6 +45,12 @@ class EngineConfig(BaseModel):
     )
     kv_port: int = Field(14579, ge=0, le=65535, description="TCP port of a decode engine's KV receiver (0: any free)")
     kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a KV transfer may take end to end")
+    # Parallelism (engine/distributed): tp x pp ranks, rank 0 in this process, the rest worker processes.
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks each layer is split over (heads, MLP, vocab)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages the decoder layers are split into")
+    nnodes: int = Field(1, ge=1, description="Machines the tp x pp ranks span; this process is node 0's driver")
+    master_addr: str = Field("127.0.0.1", description="Address other nodes reach this node's rendezvous at")
+    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; default: a free port")
 
 
 @dataclass(slots=True, frozen=True)

@@ -20,6 +20,7 @@ import torch
 
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
+from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams, gather_kv, scatter_kv
@@ -58,15 +59,24 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(config.model)
         self.resolved: ResolvedConfig = resolve(config, model_config)
         rc = self.resolved
-        self.model, self.model_config = load_model(
-            config.model,
-            dtype=rc.dtype,
-            device=rc.device,
-            max_positions=rc.max_model_len,
-            show_progress=config.show_progress,
-        )
+        self.executor: MultiprocExecutor | None = None
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            self.executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here
+            self.model, self.model_config = self.executor.model, self.executor.model_config
+            runner_config, sizing_config = self.executor.runner_config, self.executor.sizing_config
+        else:
+            self.model, self.model_config = load_model(
+                config.model,
+                dtype=rc.dtype,
+                device=rc.device,
+                max_positions=rc.max_model_len,
+                show_progress=config.show_progress,
+            )
+            runner_config = sizing_config = self.model_config
         self.max_model_len = rc.max_model_len
-        num_blocks = rc.num_kv_blocks or self._size_kv_cache()
+        num_blocks = rc.num_kv_blocks or self._size_kv_cache(sizing_config)
+        if self.executor is not None:
+            self.executor.init_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -77,7 +87,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.sampler = Sampler(config.seed, rc.device)
-        self.runner = ModelRunner(self.model, self.model_config, config.block_size, num_blocks, self.sampler, rc.device)
+        self.runner = ModelRunner(self.model, runner_config, config.block_size, num_blocks, self.sampler, rc.device)
+        if self.executor is not None:
+            self.executor.model.bind_kv_caches(self.runner.kv_caches)
         self.speculator: Speculator | None = None
         if config.speculative is not None:
             self.speculator = Speculator.build(
@@ -352,9 +364,11 @@ class LLMEngine:
                 self._import_outputs.append(self._output(tracked))
 
     def close(self) -> None:
-        """Release background resources (the KV connector's sockets and threads)."""
+        """Release background resources (the KV connector's sockets and threads, parallel workers)."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.executor is not None:
+            self.executor.shutdown()
 
     # ---- outputs ------------------------------------------------------------------------------
     def _output(self, tracked: _Tracked, finished: bool = False) -> RequestOutput:
@@ -403,9 +417,10 @@ class LLMEngine:
         return self._output(tracked, finished=True)
 
     # ---- sizing -------------------------------------------------------------------------------
-    def _size_kv_cache(self) -> int:
+    def _size_kv_cache(self, kv_config: ModelConfig) -> int:
+        """Blocks that fit the budget; `kv_config` describes one rank's cache (its layers, its kv heads)."""
         rc, config = self.resolved, self.config
-        per_block = kv_bytes_per_block(self.model_config, config.block_size, rc.dtype)
+        per_block = kv_bytes_per_block(kv_config, config.block_size, rc.dtype)
         if rc.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(rc.device)
             # Keep headroom for activations: one full step's logits and hidden states, doubled.

@@ -1,0 +1,320 @@
+"""The driver's side of a tensor/pipeline-parallel engine: worker processes and a stand-in model.
+
+Design (rank 0 = driver = this process; see `parallel_state` for the rank layout):
+- `MultiprocExecutor` starts this node's worker ranks (spawn), hosts the rendezvous (TCPStore
+  + control channel, `comm`), waits for remote nodes' ranks, loads rank 0's own shard and
+  watches every worker from a monitor thread (process exit, closed socket, reported error).
+- `DistributedModel` stands in for the model inside the unchanged `ModelRunner`: the runner
+  builds the step's tensors once, as for one process, and calls `model(...)` and
+  `model.compute_logits(rows)`. `forward` broadcasts the step's inputs to all workers, runs
+  rank 0's stage, and (pp > 1) receives the final hidden states from the last stage;
+  `compute_logits` sends the rows to the last stage's TP ranks and gathers their vocabulary
+  shards on rank 0. The sampler therefore stays in one place (seeded generators, penalties,
+  logprobs, anything the runner does with logits), and "what to run" is exactly what the
+  single-process engine runs.
+- Failure: any worker that dies or raises makes the next (or current) step raise
+  `WorkerFailedError` naming the rank and its error; the remaining workers are stopped. A
+  collective with a dead peer fails fast on gloo ("connection closed by peer"); the group's
+  timeout (TIDEPOOL_DIST_TIMEOUT_S) bounds anything else. Never a hang, never an orphan:
+  `shutdown()` (also run at interpreter exit) joins, terminates, then kills local workers;
+  remote workers exit when the control channel closes.
+When tp == pp == 1 none of this exists: the engine loads the model in-process as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..engine_config import EngineConfig, ResolvedConfig
+from ..layers.attention_metadata import AttentionMetadata
+from . import comm
+from .launch import free_port, spawn_workers, stop_processes
+from .parallel_state import DIST_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
+from .pp import StageModel
+from .tp import check_tp, local_kv_heads
+from .worker import load_stage
+
+logger = logging.getLogger(__name__)
+
+_ATTRIBUTE_WAIT_S = 2.0  # after a failed collective, how long to wait for the monitor to name the culprit
+
+
+class WorkerFailedError(RuntimeError):
+    """A worker rank died or raised; the parallel engine cannot continue."""
+
+
+class _Workers:
+    """Processes, connections and sockets: everything `shutdown` must release (finalizer-safe, no engine refs)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, BaseProcess] = {}
+        self.conns: dict[int, Connection] = {}
+        self.server: socket.socket | None = None
+        self.closed = False
+        self.wake_r, self.wake_w = os.pipe()
+
+    def close(self, graceful: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        os.write(self.wake_w, b"x")
+        payload = comm.encode(("shutdown",))
+        for conn in self.conns.values():
+            try:
+                if graceful:
+                    comm.send_bytes(conn, payload)
+            except OSError:
+                pass  # that worker is gone already
+        stop_processes(self.procs, timeout=10.0 if graceful else 0.0)
+        for conn in self.conns.values():
+            conn.close()
+        if self.server is not None:
+            self.server.close()
+        destroy_groups()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, rc: ResolvedConfig) -> None:
+        parallel = ParallelConfig(
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.nnodes,
+            config.master_addr,
+            config.master_port,
+        )
+        parallel.validate()
+        if config.kv_role != "unified":
+            raise ValueError(
+                f"kv_role={config.kv_role!r} (P/D disaggregation) does not support tensor/pipeline parallelism yet; "
+                "use tensor_parallel_size=1 and pipeline_parallel_size=1"
+            )
+        self.parallel = parallel
+        self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        model_config = ModelConfig.from_pretrained(config.model)
+        check_tp(model_config, parallel.tensor_parallel_size)
+        ranges = partition_layers(model_config.num_hidden_layers, parallel.pipeline_parallel_size)
+        if rc.device.type == "cuda" and rc.device.index not in (None, 0):
+            raise ValueError("with tensor/pipeline parallelism rank r uses cuda:<local rank r>; pass device='cuda'")
+        self.device = torch.device("cuda", 0) if rc.device.type == "cuda" else rc.device
+        self.failure: WorkerFailedError | None = None
+        self._failed = threading.Event()
+        self._workers = _Workers()
+        self._finalizer = weakref.finalize(self, self._workers.close, False)
+        self._monitor: threading.Thread | None = None
+        try:
+            tp_group = self._start(config, parallel)
+            stage, self.model_config = load_stage(config, rc, self.info, tp_group, self.device)
+            self._wait_ready()
+        except BaseException:
+            self._workers.close(graceful=False)
+            raise
+        kv_heads = local_kv_heads(model_config.num_key_value_heads, parallel.tensor_parallel_size)
+        # Rank 0's runner caches rank 0's layers; memory is sized for the largest stage.
+        self.runner_config = dataclasses.replace(
+            self.model_config, num_hidden_layers=len(ranges[0]), num_key_value_heads=kv_heads
+        )
+        self.sizing_config = dataclasses.replace(
+            self.model_config, num_hidden_layers=max(len(r) for r in ranges), num_key_value_heads=kv_heads
+        )
+        self.model = DistributedModel(self, stage)
+        self._monitor = threading.Thread(target=self._watch, name="tidepool-worker-monitor", daemon=True)
+        self._monitor.start()
+        logger.info(
+            "parallel engine up: tp=%d pp=%d over %d node(s), stages %s",
+            parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.nnodes,
+            [f"{r.start}-{r.stop - 1}" for r in ranges],
+        )  # fmt: skip
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def _start(self, config: EngineConfig, parallel: ParallelConfig) -> dist.ProcessGroup | None:
+        workers = self._workers
+        addr = parallel.master_addr
+        port = parallel.master_port or free_port()
+        workers.procs = spawn_workers(config, parallel, 0, addr, port)
+        world = parallel.world_size
+        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+        store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
+        workers.server = socket.create_server(("" if parallel.nnodes > 1 else "127.0.0.1", 0))
+        key = secrets.token_bytes(32)
+        store.set(comm.STORE_KEY_SECRET, key)
+        store.set(comm.STORE_KEY_ADDRESS, f"{addr}:{workers.server.getsockname()[1]}")
+        deadline = time.monotonic() + DIST_TIMEOUT_S
+        while len(workers.conns) < world - 1:
+            self._check_started(deadline)
+            try:
+                conn = comm.accept(workers.server, key, timeout=1.0)
+            except TimeoutError:
+                continue
+            except PermissionError as err:
+                logger.warning("%s", err)
+                continue
+            _, rank, pid, host = comm.recv(conn)
+            workers.conns[rank] = conn
+            logger.info("rank %d joined from %s (pid %d)", rank, host, pid)
+        return init_groups(store, self.info, self.device)
+
+    def _check_started(self, deadline: float) -> None:
+        for rank, proc in self._workers.procs.items():
+            if proc.exitcode is not None:
+                raise WorkerFailedError(f"worker rank {rank} exited with code {proc.exitcode} during start-up")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(1, self.parallel.world_size)) - set(self._workers.conns))
+            raise WorkerFailedError(
+                f"ranks {missing} did not join within {DIST_TIMEOUT_S:.0f} s; check that every node runs "
+                f"`tidepool serve --node-rank R` with the same --master-addr/--master-port"
+            )
+
+    def _wait_ready(self) -> None:
+        waiting = dict(self._workers.conns)
+        deadline = time.monotonic() + DIST_TIMEOUT_S
+        while waiting:
+            self._check_started(deadline)
+            for conn in wait(list(waiting.values()), timeout=1.0):
+                rank = next(r for r, c in waiting.items() if c is conn)
+                try:
+                    message = comm.recv(conn)
+                except (EOFError, OSError) as err:
+                    raise WorkerFailedError(f"worker rank {rank} closed its connection while loading") from err
+                if message[0] == "error":
+                    raise WorkerFailedError(f"worker rank {rank} failed while loading:\n{message[2]}")
+                del waiting[rank]
+
+    # ---- monitoring -----------------------------------------------------------------------------
+    def _watch(self) -> None:
+        workers = self._workers
+        by_object: dict[object, int] = {conn: rank for rank, conn in workers.conns.items()}
+        by_object.update({proc.sentinel: rank for rank, proc in workers.procs.items()})
+        while not workers.closed:
+            for obj in wait([*by_object, workers.wake_r]):
+                if obj == workers.wake_r:
+                    return
+                rank = by_object[obj]
+                self._record_failure(rank, obj if isinstance(obj, Connection) else None)
+                return
+
+    def _record_failure(self, rank: int, conn: Connection | None) -> None:
+        detail = None
+        if conn is not None:
+            try:
+                message = comm.recv(conn)
+                if message[0] == "error":
+                    detail = f"raised:\n{message[2]}"
+            except (EOFError, OSError):
+                pass
+        proc = self._workers.procs.get(rank)
+        if detail is None and proc is not None:
+            proc.join(_ATTRIBUTE_WAIT_S)
+            detail = f"(pid {proc.pid}) exited with code {proc.exitcode}"
+        if detail is None:
+            detail = "closed its connection (its process or node is gone)"
+        if not self._workers.closed:
+            self.failure = WorkerFailedError(f"worker rank {rank} {detail}")
+            logger.error("%s", self.failure)
+        self._failed.set()
+
+    def check(self) -> None:
+        """Raise the recorded worker failure, if any (before starting a step)."""
+        if self.failure is not None:
+            self._workers.close(graceful=False)
+            raise self.failure
+        if self._workers.closed:
+            raise WorkerFailedError("the parallel engine was shut down")
+
+    def fail(self, err: BaseException) -> WorkerFailedError:
+        """Turn an error inside a step into the worker failure behind it, and stop the group."""
+        self._failed.wait(_ATTRIBUTE_WAIT_S)
+        failure = self.failure or WorkerFailedError(f"a parallel step failed: {err}")
+        self.failure = failure
+        self._workers.close(graceful=False)
+        return failure
+
+    # ---- commands -------------------------------------------------------------------------------
+    def broadcast(self, message: tuple, ranks: list[int] | None = None) -> None:
+        payload = comm.encode(message)
+        for rank, conn in self._workers.conns.items():
+            if ranks is None or rank in ranks:
+                comm.send_bytes(conn, payload)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.check()
+        self.broadcast(("init_kv", num_blocks))
+
+    def shutdown(self) -> None:
+        self._workers.close(graceful=self.failure is None)
+        self._finalizer.detach()
+        if self._monitor is not None:
+            self._monitor.join(5.0)
+
+
+class DistributedModel:
+    """Rank 0's stand-in for `LlamaForCausalLM` in the model runner (same `forward`/`compute_logits`)."""
+
+    def __init__(self, executor: MultiprocExecutor, stage: StageModel) -> None:
+        self.executor = executor
+        self.stage = stage
+        self.config = stage.config
+        self.info = executor.info
+        self._main_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The runner's own cache; any other cache passed to forward is a scratch pass (prompt_logits)."""
+        self._main_kv = kv_caches
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        executor, info = self.executor, self.info
+        executor.check()
+        scratch = meta.decode_kv_scratch
+        scratch_shape = None if scratch is None else tuple(scratch[0].shape)
+        scratch_blocks = None if kv_caches is self._main_kv else kv_caches[0][0].shape[0]
+        sendable = comm.map_tensors(dataclasses.replace(meta, decode_kv_scratch=None), lambda t: t.cpu())
+        try:
+            executor.broadcast(("forward", input_ids.cpu(), positions.cpu(), sendable, scratch_shape, scratch_blocks))
+            hidden = self.stage(input_ids, positions, kv_caches, meta)
+            if hidden is None:  # pp > 1: the last stage's TP rank 0 holds the result
+                hidden = torch.empty(
+                    input_ids.shape[0], self.config.hidden_size, dtype=self.config.torch_dtype, device=input_ids.device
+                )
+                dist.recv(hidden, info.last_stage_ranks[0])
+        except (RuntimeError, OSError) as err:
+            raise executor.fail(err) from err
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        executor, info = self.executor, self.info
+        executor.check()
+        others = [r for r in info.last_stage_ranks if r != 0]
+        shards: list[torch.Tensor] = []
+        try:
+            executor.broadcast(("logits", hidden.cpu()), ranks=others)
+            width = self.stage.vocab.width
+            for rank in info.last_stage_ranks:
+                if rank == 0:
+                    shards.append(self.stage.shard_logits(hidden))
+                    continue
+                shard = torch.empty(hidden.shape[0], width, dtype=self.config.torch_dtype, device=hidden.device)
+                dist.recv(shard, rank)
+                shards.append(shard)
+        except (RuntimeError, OSError) as err:
+            raise executor.fail(err) from err
+        logits = shards[0] if len(shards) == 1 else torch.cat(shards, dim=1)
+        return logits[:, : self.config.vocab_size].float()

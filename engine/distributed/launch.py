@@ -1,0 +1,87 @@
+"""Starting worker processes: on the driver's node (by the executor) and on other nodes (`tidepool serve
+--node-rank R` with R > 0, which runs workers only and exits when the group shuts down).
+
+Workers are started with multiprocessing's `spawn` (a fresh interpreter: no forked torch or
+CUDA state). A script that builds `LLM(..., tensor_parallel_size=N)` at import time therefore
+needs the usual `if __name__ == "__main__":` guard, as with any spawn-based library.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import socket
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from ..engine_config import EngineConfig
+from .parallel_state import DEFAULT_MASTER_PORT, ParallelConfig
+from .worker import WorkerArgs, worker_main
+
+logger = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_workers(
+    config: EngineConfig, parallel: ParallelConfig, node_rank: int, master_addr: str, master_port: int
+) -> dict[int, BaseProcess]:
+    """Start this node's worker ranks (on node 0, all but rank 0, which is the driver itself)."""
+    context = multiprocessing.get_context("spawn")
+    ranks = parallel.node_ranks(node_rank)
+    procs: dict[int, BaseProcess] = {}
+    for rank in ranks:
+        if rank == 0:
+            continue
+        args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port)
+        proc = context.Process(target=worker_main, args=(args,), name=f"tidepool-rank{rank}", daemon=True)
+        proc.start()
+        procs[rank] = proc
+    return procs
+
+
+def stop_processes(procs: dict[int, BaseProcess], timeout: float = _JOIN_TIMEOUT_S) -> None:
+    """Join, then terminate, then kill whatever is left: never leave an orphan behind."""
+    for proc in procs.values():
+        proc.join(timeout)
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+
+
+def run_worker_node(config: EngineConfig, parallel: ParallelConfig, node_rank: int) -> int:
+    """Run node `node_rank`'s ranks as workers until the group shuts down; 0 when all exited cleanly."""
+    parallel.validate()
+    if not 0 < node_rank < parallel.nnodes:
+        raise ValueError(f"node_rank={node_rank} must be in [1, nnodes={parallel.nnodes}) for a worker node")
+    port = parallel.master_port or DEFAULT_MASTER_PORT
+    procs = spawn_workers(config, parallel, node_rank, parallel.master_addr, port)
+    logger.info(
+        "node %d: started ranks %s, driver at %s:%d",
+        node_rank, list(procs), parallel.master_addr, port,
+    )  # fmt: skip
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for proc in procs.values():
+            proc.join()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_processes(procs, timeout=0.0)
+    codes = {rank: proc.exitcode for rank, proc in procs.items()}
+    logger.info("node %d: workers exited with %s", node_rank, codes)
+    return 0 if all(code == 0 for code in codes.values()) else 1

@@ -1,0 +1,209 @@
+"""Worker ranks: a process that loads its model shard and runs what the driver tells it to.
+
+Start-up: read the control address from the driver's TCPStore, connect and say hello, join
+the torch.distributed group, load the model on the CPU, keep this rank's stage/shard
+(`load_stage`), move it to the rank's device and report ready. Then loop on commands:
+
+- ("init_kv", num_blocks): allocate this rank's KV cache (its layers, its kv heads).
+- ("forward", input_ids, positions, meta, scratch_shape, scratch_blocks): run the stage; the
+  last stage's TP rank 0 sends the final hidden states to the driver unless the driver is on
+  the last stage itself (pp == 1).
+- ("logits", hidden_rows): last-stage ranks send their vocabulary shard of the logits to rank 0.
+- ("shutdown",): leave the group and exit 0.
+
+A worker never outlives its group: the control socket closing (the driver exited or was
+killed) ends the loop, a failed collective raises, and a watchdog exits when the process that
+started it disappears. An exception is reported to the driver (with its traceback) before the
+worker exits 1, so the engine raises with the worker's own error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..engine_config import EngineConfig, ResolvedConfig, resolve
+from ..models.loader import load_model
+from . import comm
+from .parallel_state import DIST_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
+from .pp import StageModel
+from .tp import check_tp, local_kv_heads
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerArgs:
+    rank: int
+    local_rank: int
+    parallel: ParallelConfig
+    engine: EngineConfig
+    master_addr: str
+    master_port: int
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """Each rank of a node takes the accelerator numbered by its local rank; CPU ranks share the CPU."""
+    return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def load_stage(
+    config: EngineConfig,
+    rc: ResolvedConfig,
+    info: RankInfo,
+    tp_group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> tuple[StageModel, ModelConfig]:
+    """Load the checkpoint on the CPU, keep this rank's stage and shard, move it to `device`."""
+    model, model_config = load_model(
+        config.model,
+        dtype=rc.dtype,
+        device="cpu",
+        max_positions=rc.max_model_len,
+        show_progress=config.show_progress and info.rank == 0,
+    )
+    check_tp(model_config, info.tp_size)
+    ranges = partition_layers(model_config.num_hidden_layers, info.pp_size)
+    stage = StageModel(model, info, ranges[info.pp_rank], tp_group, num_micro_batches=info.pp_size)
+    del model
+    return stage.to(device), model_config
+
+
+def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int, tp: int) -> tuple[int, ...]:
+    return (num_blocks, block_size, local_kv_heads(model_config.num_key_value_heads, tp), model_config.head_dim)
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Entry point of a spawned worker process."""
+    logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    _watch_parent()
+    worker = _Worker(args)
+    try:
+        worker.run()
+    except BaseException:
+        text = traceback.format_exc()
+        logger.error("worker rank %d failed:\n%s", args.rank, text)
+        worker.report_error(text)
+        os._exit(1)  # skip interpreter teardown: a broken group's threads must not keep us alive
+    os._exit(0)
+
+
+class _Worker:
+    def __init__(self, args: WorkerArgs) -> None:
+        self.args = args
+        self.info = RankInfo(args.rank, args.parallel.tensor_parallel_size, args.parallel.pipeline_parallel_size)
+        self.conn: Connection | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def report_error(self, text: str) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):  # the driver may be gone already
+                comm.send(self.conn, ("error", self.args.rank, text))
+
+    def run(self) -> None:
+        args, info = self.args, self.info
+        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+        store = dist.TCPStore(args.master_addr, args.master_port, info.tp_size * info.pp_size, False, timeout)
+        address = store.get(comm.STORE_KEY_ADDRESS).decode()
+        self.conn = comm.connect(address, store.get(comm.STORE_KEY_SECRET), DIST_TIMEOUT_S)
+        comm.send(self.conn, ("hello", args.rank, os.getpid(), socket.gethostname()))
+        config = args.engine
+        rc = resolve(config, ModelConfig.from_pretrained(config.model))
+        self.device = rank_device(rc.device, args.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        tp_group = init_groups(store, info, self.device)
+        self.stage, self.model_config = load_stage(config, rc, info, tp_group, self.device)
+        logger.info(
+            "rank %d ready: stage %d (%d layers), tp rank %d, %s",
+            info.rank, info.pp_rank, self.stage.num_local_layers, info.tp_rank, self.device,
+        )  # fmt: skip
+        comm.send(self.conn, ("ready", args.rank))
+        self._loop()
+        destroy_groups()
+
+    @torch.inference_mode()
+    def _loop(self) -> None:
+        conn = self.conn
+        while conn is not None:
+            try:
+                command = comm.recv(conn)
+            except (EOFError, OSError):
+                logger.info("rank %d: the driver closed the control channel; exiting", self.info.rank)
+                return
+            kind = command[0]
+            if kind == "forward":
+                self._forward(*command[1:])
+            elif kind == "logits":
+                shard = self.stage.shard_logits(command[1].to(self.device))
+                dist.send(shard.contiguous(), 0)
+            elif kind == "init_kv":
+                self._init_kv(command[1])
+            elif kind == "shutdown":
+                return
+            else:
+                raise RuntimeError(f"unknown command {kind!r} from the driver")
+
+    def _init_kv(self, num_blocks: int) -> None:
+        shape = kv_cache_shape(self.model_config, num_blocks, self.args.engine.block_size, self.info.tp_size)
+        self.kv_caches = self._zeros_cache(shape)
+
+    def _zeros_cache(self, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dtype = self.model_config.torch_dtype
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(self.stage.num_local_layers)
+        ]
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: object,
+        scratch_shape: tuple[int, ...] | None,
+        scratch_blocks: int | None,
+    ) -> None:
+        device = self.device
+        meta = comm.map_tensors(meta, lambda t: t.to(device))
+        if scratch_shape is not None:
+            dtype = self.model_config.torch_dtype
+            scratch = (
+                torch.empty(scratch_shape, dtype=dtype, device=device),
+                torch.empty(scratch_shape, dtype=dtype, device=device),
+            )
+            meta = dataclasses.replace(meta, decode_kv_scratch=scratch)
+        kv_caches = self.kv_caches
+        if scratch_blocks is not None:  # a scoring pass on scratch KV (the runner's prompt_logits)
+            shape = kv_cache_shape(self.model_config, scratch_blocks, self.args.engine.block_size, self.info.tp_size)
+            kv_caches = self._zeros_cache(shape)
+        hidden = self.stage(input_ids.to(device), positions.to(device), kv_caches, meta)
+        info = self.info
+        if hidden is not None and info.tp_rank == 0 and info.pp_size > 1:
+            dist.send(hidden.contiguous(), 0)
+
+
+def _watch_parent() -> None:
+    """Exit when the process that started this one is gone (reparented), even if it was SIGKILLed."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tidepool-parent-watch", daemon=True).start()
