@@ -14,6 +14,7 @@ a status answer when the socket still allows one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import socket
@@ -58,6 +59,20 @@ class KVSender:
         with self._lock:
             self._futures[payload.transfer_id] = future
         return future
+
+    async def wait_sent_async(self, transfer_id: str) -> None:
+        """`wait_sent` for an event loop: awaits the acknowledgement without holding a thread."""
+        with self._lock:
+            future = self._futures.get(transfer_id)
+        if future is None:
+            raise KVTransferError(f"no KV transfer {transfer_id} was started (the prefill produced no token?)")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+        except TimeoutError as err:
+            raise KVTransferError(f"KV transfer {transfer_id} was not acknowledged in time") from err
+        finally:
+            with self._lock:
+                self._futures.pop(transfer_id, None)
 
     def wait_sent(self, transfer_id: str, timeout_s: float | None = None) -> None:
         """Block until the transfer was acknowledged; raises KVTransferError with the reason otherwise."""
@@ -105,6 +120,7 @@ class KVReceiver:
         self.port = self._server.getsockname()[1]
         self._ready: dict[str, tuple[float, KVPayload]] = {}
         self._cond = threading.Condition()
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[KVPayload]]] = {}
         self._closed = False
         self.num_received = 0
         self.num_rejected = 0
@@ -134,6 +150,27 @@ class KVReceiver:
                         "the prefill engine failed or the router sent the request to the wrong decode replica"
                     )
                 self._cond.wait(remaining)
+
+    async def take_async(self, transfer_id: str, timeout_s: float) -> KVPayload:
+        """`take` for an event loop: the receiving thread wakes the waiter, no thread is held while waiting."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[KVPayload] = loop.create_future()
+        with self._cond:
+            self._expire_locked()
+            entry = self._ready.pop(transfer_id, None)
+            if entry is not None:
+                return entry[1]
+            self._waiters[transfer_id] = (loop, future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError as err:
+            raise KVTransferError(
+                f"KV transfer {transfer_id} did not arrive within {timeout_s:.0f}s; "
+                "the prefill engine failed or the router sent the request to the wrong decode replica"
+            ) from err
+        finally:
+            with self._cond:
+                self._waiters.pop(transfer_id, None)
 
     def close(self) -> None:
         with self._cond:
@@ -166,8 +203,10 @@ class KVReceiver:
                 return
             with self._cond:
                 self._expire_locked()
-                self._ready[payload.transfer_id] = (time.monotonic(), payload)
                 self.num_received += 1
+                waiter = self._waiters.pop(payload.transfer_id, None)
+                if waiter is None or not _hand_over(waiter, payload):
+                    self._ready[payload.transfer_id] = (time.monotonic(), payload)
                 self._cond.notify_all()
             with contextlib.suppress(OSError):  # stored anyway: the decode request can still claim it
                 write_status(conn, STATUS_OK)
@@ -179,3 +218,18 @@ class KVReceiver:
             self.num_expired += 1
             logger.warning("dropped KV transfer %s: no decode request claimed it within %.0fs", transfer_id,
                            self.ttl_s)  # fmt: skip
+
+
+def _hand_over(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[KVPayload]], payload: KVPayload) -> bool:
+    """Resolve an async waiter from the receiving thread; False if its loop or future is gone."""
+    loop, future = waiter
+
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(payload)
+
+    try:
+        loop.call_soon_threadsafe(resolve)
+    except RuntimeError:  # the loop is closed
+        return False
+    return True

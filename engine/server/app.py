@@ -73,6 +73,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         yield
         if state.engine is not None:
             await asyncio.to_thread(state.engine.stop)
+            state.engine.engine.close()  # the KV connector's sockets (P/D disaggregation)
 
     app = FastAPI(title="Tidepool", lifespan=lifespan)
     app.state.tidepool = state

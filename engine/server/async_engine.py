@@ -25,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ..kv_transfer import KVPayload, ProducerParams
 from ..llm_engine import LLMEngine
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class Child:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_transfer: ProducerParams | KVPayload | None = None  # P/D disaggregation (see server/disagg.py)
 
 
 class RequestStream:
@@ -223,7 +225,9 @@ class AsyncEngine:
         added: list[str] = []
         for child in children:
             try:
-                self.engine.add_request(child.request_id, child.prompt_token_ids, child.params, arrival_time)
+                self.engine.add_request(
+                    child.request_id, child.prompt_token_ids, child.params, arrival_time, kv_transfer=child.kv_transfer
+                )
                 added.append(child.request_id)
                 self._live.add(child.request_id)
             except ValueError as err:  # the server validates first, so this is a race or a bug: fail the whole request

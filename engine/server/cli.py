@@ -43,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
         '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',
     )
+    disagg = parser.add_argument_group("prefill/decode disaggregation")
+    disagg.add_argument(
+        "--role",
+        default="unified",
+        choices=["unified", "prefill", "decode"],
+        help="'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port",
+    )
+    disagg.add_argument("--kv-port", type=int, default=14579, help="TCP port of the KV receiver (decode role)")
+    disagg.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
@@ -99,6 +108,9 @@ def _server_config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         show_progress=False,
         speculative=_speculative_config(args.speculative_config),
+        kv_role=args.role,
+        kv_port=args.kv_port,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
     )
     return ServerConfig(
         engine=engine,

@@ -122,6 +122,8 @@ class SamplingRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    # P/D disaggregation hand-off set by Tidepool's router (see engine/server/disagg.py); clients leave it out.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -182,6 +184,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -218,6 +221,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -32,6 +32,7 @@ from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine, Child, EngineDeadError, QueueFullError, RequestStream
+from .disagg import attach_kv_transfer, wait_sent
 from .logprobs import LogprobFormatter
 from .protocol import (
     APIError,
@@ -99,11 +100,13 @@ class Serving:
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
         prompts, texts = self._completion_prompts(req.prompt)
         job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", logprobs=req.logprobs)
+        producer = await attach_kv_transfer(self.engine.engine, req, job.children)
         stream = self._submit(job)
         if req.stream:
             return self._sse(self._stream_completion(job, stream, req), stream)
         if not await self._collect(job, stream, raw):
             return Response(status_code=499)  # the client is gone; nobody reads this
+        kv_params = await wait_sent(self.engine.engine, producer) if producer else None
         choices = []
         for rid, index in job.index_of.items():
             comp = job.finals[rid].outputs[0]
@@ -117,7 +120,7 @@ class Serving:
             )  # fmt: skip
         choices.sort(key=lambda c: c.index)
         body = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name, choices=choices,
-                                  usage=job.usage())  # fmt: skip
+                                  usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(body.model_dump())
 
     def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list, list]:
@@ -170,11 +173,13 @@ class Serving:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         job = self._job("chatcmpl", [prompt], [text], req, max_tokens, "messages", logprobs=num_top)
+        producer = await attach_kv_transfer(self.engine.engine, req, job.children)
         stream = self._submit(job)
         if req.stream:
             return self._sse(self._stream_chat(job, stream, req, num_top), stream)
         if not await self._collect(job, stream, raw):
             return Response(status_code=499)
+        kv_params = await wait_sent(self.engine.engine, producer) if producer else None
         choices = []
         for rid, index in job.index_of.items():
             comp = job.finals[rid].outputs[0]
@@ -185,7 +190,7 @@ class Serving:
             )  # fmt: skip
         choices.sort(key=lambda c: c.index)
         body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
-                                      choices=choices, usage=job.usage())  # fmt: skip
+                                      choices=choices, usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(body.model_dump())
 
     async def _stream_chat(
