@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..quant.load import load_quantized, read_quant_spec
 from .llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,12 @@ def load_model(
     files = safetensors_files(folder)
     model_class = MODEL_CLASSES[config.architecture]
     model = model_class(config, device=device, max_positions=max_positions)
-    model.load_weights(iter_weights(files, config.torch_dtype, show_progress))
+    # A quantization_config (Tidepool's, GPTQ's or AWQ's) means: convert, swap, then load the rest.
+    quant_spec = read_quant_spec(folder)
+    if quant_spec is None:
+        model.load_weights(iter_weights(files, config.torch_dtype, show_progress))
+    else:
+        load_quantized(model, files, quant_spec, config.torch_dtype, show_progress)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
