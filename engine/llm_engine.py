@@ -287,6 +287,11 @@ class LLMEngine:
         config = self.config
         if config.kv_role == "unified":
             return None
+        if self.executor is not None:
+            raise ValueError(
+                f"kv_role={config.kv_role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
+                "(each rank would ship its own KV shard); run prefill and decode engines without TP/PP"
+            )
         mc = self.model_config
         geometry = KVGeometry(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
                               self.resolved.dtype)  # fmt: skip
