@@ -1,0 +1,179 @@
+"""The Helm chart offline: `helm lint`, `helm template`, least-privilege RBAC, restricted pod, values schema.
+
+Needs only the helm binary that e2e/controlplane/build.sh builds (no cluster). Like the
+control-plane fixture, a missing binary fails the test with the build command.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from controlplane_fixture import load_devcluster
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "tidepool"
+ALLOWED_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    devcluster = load_devcluster()
+    try:
+        return str(devcluster.find_bin_dir() / "helm")
+    except devcluster.BinariesMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def _helm(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
+    if check and out.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed: {out.stderr}")
+    return out
+
+
+def render(helm: str, *sets: str, namespace: str = "tidepool-system") -> list[dict[str, Any]]:
+    args = ["template", "tp", str(CHART), "--namespace", namespace]
+    for item in sets:
+        args += ["--set", item]
+    return [d for d in yaml.safe_load_all(_helm(helm, *args).stdout) if d]
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_lint_is_clean(helm: str) -> None:
+    out = _helm(helm, "lint", str(CHART), "--strict")
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
+    docs = render(helm)
+    assert sorted(d["kind"] for d in docs) == [
+        "ClusterRole",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ClusterRoleBinding",
+        "Deployment",
+        "ServiceAccount",
+    ]
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        for key in ("name", "instance", "version", "managed-by", "part-of", "component"):
+            assert f"app.kubernetes.io/{key}" in labels, (doc["kind"], key)
+    # The CRD ships in the chart's crds/ folder (installed by helm, never templated).
+    assert (CHART / "crds" / "tidepool.dev_inferenceservices.yaml").is_file()
+
+
+def test_operator_pod_is_restricted_and_probed(helm: str) -> None:
+    (deployment,) = _by_kind(render(helm), "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"} and deployment["spec"]["replicas"] == 1
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] is True
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert {"name": "health", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+
+
+def test_operator_args_parse_with_the_real_cli(helm: str) -> None:
+    from tidepool.cli import build_parser as tidepool_parser
+    from tidepool.operator.main import build_parser as operator_parser
+
+    for sets, namespaces in (((), []), (("watchNamespaces={team-a,team-b}",), ["team-a", "team-b"])):
+        (deployment,) = _by_kind(render(helm, *sets), "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["command"] == ["tidepool"]
+        top = tidepool_parser().parse_args(container["args"])
+        assert top.command == "operator"
+        args = operator_parser().parse_args(top.args)
+        assert args.namespace == namespaces and args.all_namespaces == (not namespaces)
+        assert args.liveness == "http://0.0.0.0:8080/healthz" and args.resync_seconds == 60
+
+
+def _rules(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return {d["metadata"]["name"]: d["rules"] for d in _by_kind(docs, "ClusterRole")}
+
+
+def test_rbac_is_least_privilege(helm: str) -> None:
+    roles = _rules(render(helm))
+    assert set(roles) == {"tp-tidepool", "tp-tidepool-cluster"}
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rules in roles.values():
+        for rule in rules:
+            assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no nonResourceURLs/resourceNames
+            assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"], rule
+            assert set(rule["verbs"]) <= ALLOWED_VERBS, rule  # never escalate, bind, impersonate
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    granted.setdefault((group, resource), set()).update(rule["verbs"])
+    for forbidden in ("secrets", "nodes", "clusterroles", "clusterrolebindings", "mutatingwebhookconfigurations"):
+        assert not any(resource == forbidden for _, resource in granted), forbidden
+    # Cluster-scoped objects are only read.
+    assert granted[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
+    assert granted[("", "namespaces")] == {"get", "list", "watch"}
+    # What reconciliation needs (the operator's own tests prove it is enough).
+    assert {"get", "list", "watch", "patch"} <= granted[("tidepool.dev", "inferenceservices")]
+    assert "patch" in granted[("tidepool.dev", "inferenceservices/status")]
+    for child in (("apps", "deployments"), ("", "services"), ("", "configmaps"), ("policy", "poddisruptionbudgets")):
+        assert {"create", "patch"} <= granted[child], child
+    assert granted[("", "pods")] == {"get", "list", "watch"}
+    assert "create" in granted[("", "events")]
+
+
+def test_watch_namespaces_binds_the_namespaced_role_only_there(helm: str) -> None:
+    docs = render(helm, "watchNamespaces={team-a,team-b}")
+    bindings = _by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert all(b["roleRef"]["name"] == "tp-tidepool" for b in bindings)
+    assert [b["roleRef"]["name"] for b in _by_kind(docs, "ClusterRoleBinding")] == ["tp-tidepool-cluster"]
+
+
+def test_rbac_and_service_account_can_be_brought_by_the_user(helm: str) -> None:
+    docs = render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=mine")
+    assert sorted(d["kind"] for d in docs) == ["Deployment"]
+    assert docs[0]["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+    out = _helm(helm, "template", "tp", str(CHART), "--set", "serviceAccount.create=false", check=False)
+    assert out.returncode != 0 and "serviceAccount.name is required" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("replicaCount=2", "/replicaCount"),
+        ("operator.logLevel=TRACE", "/operator/logLevel"),
+        ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+        ("replicas=1", "additional properties 'replicas' not allowed"),
+        ("watchNamespaces={Team_A}", "/watchNamespaces/0"),
+    ],
+)
+def test_values_schema_refuses_bad_values(helm: str, value: str, complaint: str) -> None:
+    out = _helm(helm, "template", "tp", str(CHART), "--set", value, check=False)
+    assert out.returncode != 0, f"{value} was accepted"
+    assert complaint in out.stderr, out.stderr
+
+
+def test_keda_example_targets_the_scale_subresource_within_bounds() -> None:
+    from tidepool.engine.metrics_names import NUM_REQUESTS_WAITING
+
+    scaled = yaml.safe_load((REPO / "examples" / "keda-scaledobject.yaml").read_text())
+    sample = yaml.safe_load((REPO / "examples" / "inferenceservice-disaggregated.yaml").read_text())
+    target = scaled["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == (sample["apiVersion"], sample["kind"])
+    assert target["name"] == sample["metadata"]["name"]
+    decode = sample["spec"]["pools"]["decode"]
+    assert decode["minReplicas"] <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    assert scaled["spec"]["maxReplicaCount"] <= decode["maxReplicas"]
+    assert sample["spec"]["autoscaling"]["mode"] == "advisory"  # Tidepool reports, KEDA acts
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and NUM_REQUESTS_WAITING in trigger["metadata"]["query"]
