@@ -1,0 +1,201 @@
+"""The router's FastAPI app: OpenAI-compatible routes in front of engine pools, and its background tasks.
+
+Routes: `POST /v1/completions` and `/v1/chat/completions` (proxied, see `proxy`),
+`GET /v1/models` (from a ready replica of the serving pool, held like a request), `/health`
+(the router process is alive), `/ready` (200 as soon as the router runs, even at zero
+replicas: it must take requests in to hold them, which is what makes the pool scale up
+from zero), `/metrics` (the router's own metrics), `/debug/replicas` (pool states, JSON).
+
+Background tasks, started with the app and cancelled at shutdown: discovery (static or
+Kubernetes) and the health checker. The router never loads a model and never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .discovery import KubernetesDiscovery, StaticDiscovery
+from .health import HealthChecker
+from .metrics import RouterMetrics
+from .policy import HotThresholds, make_policy
+from .pool import Endpoint, NoReplicaError, Pool
+from .proxy import Proxy, ProxySettings
+from .upstream import REPLICA_HEADER, error_response
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    discovery: StaticDiscovery | KubernetesDiscovery
+    pool_names: tuple[str, ...]  # ("unified",) or ("prefill", "decode")
+    policy: str = "prefix-aware"
+    thresholds: HotThresholds = field(default_factory=HotThresholds)
+    num_virtual_nodes: int = 160
+    proxy: ProxySettings = field(default_factory=ProxySettings)
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    max_failures: int = 3
+    eject_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # between two bytes of an answer: a long prefill counts here
+    max_connections: int = 1000
+
+
+@dataclass(slots=True)
+class RouterState:
+    config: RouterConfig
+    pools: dict[str, Pool]
+    metrics: RouterMetrics
+    proxy: Proxy | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
+def build_app(config: RouterConfig) -> FastAPI:
+    pools = {
+        name: Pool(
+            name,
+            make_policy(config.policy, config.thresholds, config.num_virtual_nodes),
+            config.max_failures,
+            config.eject_s,
+        )
+        for name in config.pool_names
+    }
+    state = RouterState(config, pools, RouterMetrics(pools.values()))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=100)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            state.proxy = Proxy(pools, client, state.metrics, config.proxy)
+            health = HealthChecker(pools.values(), client, config.health_interval_s, config.health_timeout_s)
+
+            async def on_update(pool_name: str, endpoints: list[Endpoint]) -> None:
+                if pool_name == "decode":
+                    missing = [e.url for e in endpoints if e.kv_addr is None]
+                    if missing:
+                        logger.warning("decode replicas without a KV port (named 'kv') are skipped: %s", missing)
+                    endpoints = [e for e in endpoints if e.kv_addr is not None]
+                added = pools[pool_name].set_members(endpoints)
+                if added:
+                    await health.probe_now(pools[pool_name], added)
+
+            state.tasks = [
+                asyncio.create_task(config.discovery.run(on_update), name="router-discovery"),
+                asyncio.create_task(health.run(), name="router-health"),
+            ]
+            try:
+                yield
+            finally:
+                for task in state.tasks:
+                    task.cancel()
+                for task in state.tasks:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    app = FastAPI(title="Tidepool router", lifespan=lifespan)
+    app.state.router = state
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        dead = [task.get_name() for task in state.tasks if task.done()]
+        if dead:
+            return JSONResponse({"status": "dead", "stopped_tasks": dead}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        return JSONResponse({"ready": True})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/replicas")
+    async def debug_replicas() -> dict[str, Any]:
+        return {
+            name: [
+                {
+                    "url": r.url,
+                    "kv_addr": r.endpoint.kv_addr,
+                    "state": r.state.value,
+                    "inflight": r.num_inflight,
+                    "waiting": r.num_waiting,
+                    "running": r.num_running,
+                    "kv_usage": r.kv_usage,
+                }
+                for r in pool.replicas.values()
+            ]
+            for name, pool in pools.items()
+        }
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        assert state.proxy is not None  # set by the lifespan before any request is served
+        pool = state.proxy.serving_pool
+        deadline = time.monotonic() + config.proxy.hold_timeout_s
+        try:
+            replica, _ = await pool.acquire(None, deadline)
+        except NoReplicaError as err:
+            return error_response(503, f"{err}; retry later", "service_unavailable", "no_ready_replica")
+        try:
+            upstream = await state.proxy.client.get(f"{replica.url}/v1/models")
+        except httpx.HTTPError as err:
+            return error_response(502, f"{replica.label}: {err!r}", "bad_gateway", "upstream_failed")
+        finally:
+            pool.release(replica)
+        return Response(
+            upstream.content, upstream.status_code, {REPLICA_HEADER: replica.label}, media_type="application/json"
+        )
+
+    async def proxied(path: str, raw: Request) -> Response:
+        assert state.proxy is not None  # set by the lifespan before any request is served
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, UnicodeDecodeError) as err:
+            return error_response(
+                400, f"the request body is not valid JSON: {err}", "invalid_request_error", "invalid_json"
+            )
+        if not isinstance(body, dict):
+            return error_response(
+                400, "the request body must be a JSON object", "invalid_request_error", "invalid_json"
+            )
+        return await state.proxy.forward(path, body, raw)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxied("/v1/completions", raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await proxied("/v1/chat/completions", raw)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return error_response(err.status_code, str(err.detail), kind, str(err.status_code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> Response:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error in the router: {err!r}", "internal_error", "router_error")

@@ -1,0 +1,83 @@
+"""Replica health: probe `/ready`, scrape the load gauges from `/metrics`, every `interval_s`.
+
+A probe is: GET `/ready` (200 → ready; any other status → unready, e.g. loading or
+draining) then, when ready, GET `/metrics` for `vllm:num_requests_waiting`,
+`vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (summed over label sets; a
+replica serves one model). A transport error is a failure (a refused connection ejects the
+replica at once, see `Pool.record_failure`). New replicas are probed as soon as discovery
+reports them (`probe_now`), so a request held at zero is released without waiting a period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+import httpx
+
+from ..metrics_names import KV_CACHE_USAGE_PERC, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from .pool import Pool, Replica
+
+logger = logging.getLogger(__name__)
+
+
+def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Sum each named sample over its label sets in Prometheus text format; names absent are 0."""
+    wanted = set(names)
+    totals = dict.fromkeys(wanted, 0.0)
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = len(line)
+        for sep in ("{", " "):
+            index = line.find(sep)
+            if index != -1:
+                name_end = min(name_end, index)
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        value = line.rsplit("}", 1)[-1].split()
+        try:
+            totals[name] += float(value[0])
+        except (IndexError, ValueError):
+            logger.debug("unparsable metrics line: %r", line)
+    return totals
+
+
+class HealthChecker:
+    def __init__(
+        self, pools: Iterable[Pool], client: httpx.AsyncClient, interval_s: float = 1.0, timeout_s: float = 2.0
+    ) -> None:
+        self.pools = list(pools)
+        self.client = client
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.gather(*(self.probe_now(pool) for pool in self.pools))
+            await asyncio.sleep(self.interval_s)
+
+    async def probe_now(self, pool: Pool, replicas: Iterable[Replica] | None = None) -> None:
+        targets = list(pool.replicas.values()) if replicas is None else list(replicas)
+        await asyncio.gather(*(self._probe(pool, r) for r in targets))
+
+    async def _probe(self, pool: Pool, replica: Replica) -> None:
+        url = replica.url
+        try:
+            ready = await self.client.get(f"{url}/ready", timeout=self.timeout_s)
+            if ready.status_code != 200:
+                pool.mark_unready(url, f"/ready answered {ready.status_code}")
+                return
+            metrics = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
+        except httpx.ConnectError as err:
+            pool.record_failure(url, f"probe: {err!r}", is_fatal=True)
+            return
+        except httpx.HTTPError as err:
+            pool.record_failure(url, f"probe: {err!r}")
+            return
+        gauges = parse_gauges(metrics.text, (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC))
+        pool.mark_ready(
+            url, int(gauges[NUM_REQUESTS_WAITING]), int(gauges[NUM_REQUESTS_RUNNING]), gauges[KV_CACHE_USAGE_PERC]
+        )
