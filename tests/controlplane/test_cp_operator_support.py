@@ -1,0 +1,236 @@
+"""Helpers for the operator's control-plane tests (no tests here): the chart's RBAC, a token
+kubeconfig for its ServiceAccount, the `tidepool operator` subprocess, and sample objects.
+
+The operator never runs as admin: `operator_identity()` renders the Helm chart (`helm template`),
+applies its ServiceAccount and (Cluster)Role(Binding)s, mints a token with the TokenRequest API and
+writes a kubeconfig holding only that token. `OperatorProcess` starts `tidepool operator` with it
+(from /tmp, so the repo's `operator/` folder never shadows the stdlib), kills it with SIGKILL for
+chaos, and keeps its log so a test can assert that no request was forbidden.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "tidepool"
+CRD_FILE = REPO / "crds" / "tidepool.dev_inferenceservices.yaml"
+EXAMPLES = REPO / "examples"
+TIDEPOOL = Path(sys.executable).with_name("tidepool")
+OPERATOR_NAMESPACE = "tidepool-system"
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+GROUP, VERSION, PLURAL = "tidepool.dev", "v1alpha1", "inferenceservices"
+
+
+@dataclass
+class OperatorIdentity:
+    kubeconfig: Path
+    service_account: str
+    rbac_docs: list[dict[str, Any]]
+
+
+def install_crd(cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tidepool.dev", "--timeout=60s")
+
+
+def render_chart_rbac(cluster, release: str = "tidepool") -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [str(cluster.bin_dir / "helm"), "template", release, str(CHART), "--namespace", OPERATOR_NAMESPACE],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return [d for d in docs if d["kind"] in RBAC_KINDS]
+
+
+def operator_identity(cluster, state_dir: Path) -> OperatorIdentity:
+    """The chart's ServiceAccount with the chart's RBAC, and a kubeconfig holding only its token."""
+    cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    docs = render_chart_rbac(cluster)
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    core = client.CoreV1Api(cluster.api_client())
+    token = core.create_namespaced_service_account_token(
+        sa, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 7200}}
+    ).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "dev", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "dev", "user": sa}}],
+        "current-context": "operator",
+    }
+    path = state_dir / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(kubeconfig))
+    path.chmod(0o600)
+    return OperatorIdentity(path, sa, docs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class OperatorProcess:
+    """`tidepool operator` as a subprocess; every start appends to the same log."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, resync_seconds: float = 3.0) -> None:
+        self.kubeconfig, self.namespaces, self.log = kubeconfig, namespaces, log
+        self.resync_seconds = resync_seconds
+        self.proc: subprocess.Popen | None = None
+        self.num_starts = 0
+
+    def start(self) -> None:
+        args = [str(TIDEPOOL), "operator", "--kubeconfig", str(self.kubeconfig)]
+        for ns in self.namespaces:
+            args += ["-n", ns]
+        args += ["--resync-seconds", str(self.resync_seconds), "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # the token kubeconfig only
+        with open(self.log, "ab") as fh:
+            fh.write(f"---- start {self.num_starts}: {' '.join(args)}\n".encode())
+            fh.flush()
+            self.proc = subprocess.Popen(args, cwd="/tmp", stdout=fh, stderr=subprocess.STDOUT, env=env)
+        self.num_starts += 1
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no finalizer release; what a node failure or OOM does."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def forbidden_lines(self) -> list[str]:
+        # ApiError says "HTTP 403 Forbidden: ..."; kopf logs "403, message='Forbidden'".
+        return [line for line in self.log_text().splitlines() if "forbidden" in line.lower()]
+
+
+def restricted_namespace(cluster, name: str) -> None:
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted", "--overwrite")
+
+
+def claims_in(spec: dict[str, Any]) -> list[str]:
+    cache = spec.get("modelCache") or {}
+    return [cache["claimName"]] if cache.get("size") else []
+
+
+def bind_claims(cluster, namespace: str, claims: list[str]) -> None:
+    """Pre-bound PersistentVolumes for claims the operator creates (the dev cluster has no provisioner)."""
+    for claim in claims:
+        pv = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": f"pv-{namespace}-{claim}"[:63]},
+            "spec": {
+                "capacity": {"storage": "1Ti"},
+                "accessModes": ["ReadWriteMany"],
+                "persistentVolumeReclaimPolicy": "Delete",
+                "storageClassName": "",
+                "claimRef": {"namespace": namespace, "name": claim},
+                "csi": {"driver": "fake.csi.tidepool.dev", "volumeHandle": f"{namespace}-{claim}"},
+            },
+        }
+        cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+
+
+def load_example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def custom_api(cluster) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(cluster.api_client())
+
+
+def get_isvc(cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return custom_api(cluster).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions", []):
+        if cond["type"] == type_:
+            return cond
+    return None
+
+
+def is_ready(obj: dict[str, Any] | None) -> bool:
+    cond = condition(obj, "Ready")
+    status = (obj or {}).get("status") or {}
+    return bool(
+        cond
+        and cond["status"] == "True"
+        and status.get("observedGeneration") == obj["metadata"]["generation"]
+        and cond.get("observedGeneration") == obj["metadata"]["generation"]
+    )
+
+
+CHILD_KINDS = (
+    "deployments.apps,statefulsets.apps,services,configmaps,serviceaccounts,persistentvolumeclaims,"
+    "poddisruptionbudgets.policy,roles.rbac.authorization.k8s.io,rolebindings.rbac.authorization.k8s.io"
+)
+
+
+def children(cluster, namespace: str, name: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every object of a child kind labelled as belonging to `name` (or to any InferenceService)."""
+    selector = f"tidepool.dev/inferenceservice={name}" if name else "tidepool.dev/inferenceservice"
+    out = cluster.kubectl("get", CHILD_KINDS, "-n", namespace, "-l", selector, "-o", "json")
+    return {(item["kind"], item["metadata"]["name"]): item for item in json.loads(out.stdout)["items"]}
+
+
+def pods(cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json")
+    return json.loads(out.stdout)["items"]
+
+
+def pod_is_ready(pod: dict[str, Any]) -> bool:
+    return pod["status"].get("phase") == "Running" and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", [])
+    )
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
+    """Like controlplane_fixture.wait_for, but raises AssertionError with the last value (usable in helpers)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
