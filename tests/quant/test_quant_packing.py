@@ -1,0 +1,111 @@
+"""Int4/int8 packing and round-to-nearest quantization against plain references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_reference import pack_along_rows, unpack_along_rows
+
+from tidepool.engine.quant.formats import unpack_along_first, unpack_along_last
+from tidepool.engine.quant.quantize import quantize_int4, quantize_int8, quantize_tensors
+from tidepool.kernels.int4_packing import dequantize_int4, pack_int4, unpack_int4
+
+
+@pytest.mark.parametrize(("k", "n"), [(8, 1), (16, 8), (64, 24)])
+def test_runtime_packing_matches_loop_reference(k: int, n: int) -> None:
+    q = torch.randint(0, 16, (k, n), generator=torch.Generator().manual_seed(k + n))
+    packed = pack_int4(q)
+    assert torch.equal(packed, pack_along_rows(q))
+    assert torch.equal(unpack_int4(packed).to(torch.int64), q)
+    assert torch.equal(unpack_along_rows(packed), q)
+    assert torch.equal(unpack_along_first(packed).to(torch.int64), q)
+
+
+def test_unpack_along_last_matches_loop_reference() -> None:
+    from quant_reference import pack_along_cols, unpack_along_cols
+
+    q = torch.randint(0, 16, (5, 32), generator=torch.Generator().manual_seed(3))
+    words = pack_along_cols(q)
+    assert torch.equal(unpack_along_last(words).to(torch.int64), unpack_along_cols(words))
+    assert torch.equal(unpack_along_cols(words), q)
+
+
+def test_all_nibbles_fifteen_sets_the_sign_bit() -> None:
+    q = torch.full((8, 2), 15)
+    packed = pack_int4(q)
+    assert int(packed[0, 0]) == -1  # 0xFFFFFFFF as int32
+    assert torch.equal(unpack_int4(packed).to(torch.int64), q)
+
+
+def test_int8_error_is_at_most_half_a_step() -> None:
+    w = torch.randn(16, 40, generator=torch.Generator().manual_seed(0))
+    w_int8, scales = quantize_int8(w)
+    assert w_int8.dtype == torch.int8 and scales.shape == (16,)
+    err = (w_int8.float() * scales[:, None] - w).abs()
+    assert bool((err <= scales[:, None] / 2 + 1e-6).all())
+    assert int(w_int8.abs().max()) == 127  # the largest weight of each row uses the full range
+
+
+@pytest.mark.parametrize("group_size", [8, 32])
+def test_int4_error_is_bounded_by_the_group_step(group_size: int) -> None:
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
+    qweight, scales, zeros = quantize_int4(w, group_size)
+    assert qweight.shape == (64 // 8, 12) and scales.shape == zeros.shape == (64 // group_size, 12)
+    deq = dequantize_int4(qweight, scales, zeros, group_size).t()
+    step = scales.repeat_interleave(group_size, dim=0).t()
+    # Clipped weights may lie beyond half a step; the clip search only shrinks ranges by <= 30%.
+    err = (deq - w).abs()
+    assert float(err.max()) < float(w.abs().max()) * 0.35
+    assert float((err <= step / 2 + 1e-5).float().mean()) > 0.9
+
+
+def test_clip_search_never_worse_than_min_max() -> None:
+    w = torch.randn(32, 256, generator=torch.Generator().manual_seed(2)) ** 3  # heavy tails: clipping pays
+    errs = {}
+    for clip in (False, True):
+        qweight, scales, zeros = quantize_int4(w, 64, clip_search=clip)
+        errs[clip] = float((dequantize_int4(qweight, scales, zeros, 64).t() - w).square().sum())
+    assert errs[True] < errs[False]
+
+
+def test_quantize_tensors_only_touches_projections() -> None:
+    tensors = {
+        "model.embed_tokens.weight": torch.randn(10, 16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(16, 32),
+        "lm_head.weight": torch.randn(10, 16),
+    }
+    out = quantize_tensors(tensors, "int4", group_size=16)
+    assert set(out) == {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.qweight",
+        "model.layers.0.self_attn.q_proj.scales",
+        "model.layers.0.self_attn.q_proj.zeros",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.layers.0.mlp.down_proj.qweight",
+        "model.layers.0.mlp.down_proj.scales",
+        "model.layers.0.mlp.down_proj.zeros",
+        "lm_head.weight",
+    }
+    assert out["lm_head.weight"] is tensors["lm_head.weight"]
+
+
+@pytest.mark.parametrize(
+    ("method", "group_size", "message"),
+    [
+        ("int3", 128, "unknown quantization method 'int3'"),
+        ("int4", 12, "multiple of 8"),
+        ("int4", 24, "does not divide model.layers.0.mlp.down_proj.weight's 32 input features"),
+        ("int4", 0, "positive multiple"),
+    ],
+)
+def test_bad_quantization_arguments(method: str, group_size: int, message: str) -> None:
+    tensors = {"model.layers.0.mlp.down_proj.weight": torch.randn(16, 32)}
+    with pytest.raises(ValueError, match=message):
+        quantize_tensors(tensors, method, group_size)
+
+
+def test_nothing_to_quantize_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no decoder projection"):
+        quantize_tensors({"model.embed_tokens.weight": torch.randn(4, 8)}, "int8")
