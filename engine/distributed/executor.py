@@ -89,13 +89,7 @@ class _Workers:
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig, rc: ResolvedConfig) -> None:
-        parallel = ParallelConfig(
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            config.nnodes,
-            config.master_addr,
-            config.master_port,
-        )
+        parallel = ParallelConfig.from_engine(config)
         parallel.validate()
         if config.kv_role != "unified":
             raise ValueError(

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..engine_config import EngineConfig
+
 DEFAULT_MASTER_PORT = 29500
 # Collectives only run inside a step (idle waits happen on the control channel, which has no
 # timeout), so this bounds one step's communication, not the engine's idle time.
@@ -35,6 +37,16 @@ class ParallelConfig:
     nnodes: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port is picked (single node only)
+
+    @classmethod
+    def from_engine(cls, config: EngineConfig) -> ParallelConfig:
+        return cls(
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.nnodes,
+            config.master_addr,
+            config.master_port,
+        )
 
     @property
     def world_size(self) -> int:

@@ -100,7 +100,6 @@ def worker_main(args: WorkerArgs) -> None:
         logger.error("worker rank %d failed:\n%s", args.rank, text)
         worker.report_error(text)
         os._exit(1)  # skip interpreter teardown: a broken group's threads must not keep us alive
-    os._exit(0)
 
 
 class _Worker:

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -52,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     disagg.add_argument("--kv-port", type=int, default=14579, help="TCP port of the KV receiver (decode role)")
     disagg.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
+    parallel = parser.add_argument_group("parallelism (one replica over several ranks, optionally several nodes)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    parallel.add_argument("--nnodes", type=int, default=1, help="nodes the tp x pp ranks span (tp*pp/nnodes each)")
+    parallel.add_argument(
+        "--node-rank", type=int, default=0, help="this node's index: 0 serves HTTP, others run worker ranks only"
+    )
+    parallel.add_argument("--master-addr", default=None, help="node 0's address; default $MASTER_ADDR or 127.0.0.1")
+    parallel.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port on node 0; default $MASTER_PORT or 29500"
+    )
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
@@ -77,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     try:
         config = _server_config(args)
+        if args.node_rank != 0:  # a worker-only node: no HTTP, no scheduler; exits when the group shuts down
+            return _run_worker_node(config.engine, args.node_rank)
     except ValueError as err:
         print(f"tidepool serve: error: {err}", file=sys.stderr)
         return 2
@@ -111,6 +125,11 @@ def _server_config(args: argparse.Namespace) -> Any:
         kv_role=args.role,
         kv_port=args.kv_port,
         kv_transfer_timeout_s=args.kv_transfer_timeout,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
+        master_port=_master_port(args),
     )
     return ServerConfig(
         engine=engine,
@@ -119,6 +138,26 @@ def _server_config(args: argparse.Namespace) -> Any:
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
     )
+
+
+def _master_port(args: argparse.Namespace) -> int | None:
+    """--master-port, else $MASTER_PORT, else 29500 for a multi-node group (one node picks a free port)."""
+    if args.master_port is not None:
+        return args.master_port
+    raw = os.environ.get("MASTER_PORT")
+    if raw:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"MASTER_PORT={raw!r} is not a port number") from None
+    return 29500 if args.nnodes > 1 else None
+
+
+def _run_worker_node(engine: Any, node_rank: int) -> int:
+    from ..distributed.launch import run_worker_node
+    from ..distributed.parallel_state import ParallelConfig
+
+    return run_worker_node(engine, ParallelConfig.from_engine(engine), node_rank)
 
 
 def _speculative_config(raw: str | None) -> dict[str, Any] | None:
