@@ -145,6 +145,13 @@ SPEC_RULES: tuple[Rule, ...] = (
         ".router.replicas",
     ),
     Rule(
+        s.PrefillDecodeRatio,
+        "self.min <= self.max",
+        "autoscaling.prefillDecodeRatio.min must not exceed autoscaling.prefillDecodeRatio.max",
+        lambda r: r.min <= r.max,
+        ".min",
+    ),
+    Rule(
         s.PoolSpec,
         "self.minReplicas <= self.maxReplicas",
         "minReplicas must not exceed maxReplicas",

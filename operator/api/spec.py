@@ -199,6 +199,13 @@ class Stabilization(ApiModel):
     down_seconds: int = Field(default=300, ge=0, le=3600, description="Scale-down stabilization window in seconds.")
 
 
+class PrefillDecodeRatio(ApiModel):
+    """Bounds on prefill replicas / decode replicas the autoscaler keeps in disaggregated mode."""
+
+    min: float = Field(default=0.1, gt=0.0, le=100.0, description="Lowest prefill:decode replica ratio.")
+    max: float = Field(default=4.0, gt=0.0, le=100.0, description="Highest prefill:decode replica ratio.")
+
+
 class AutoscalingSpec(ApiModel):
     """Tidepool's SLO-driven autoscaler."""
 
@@ -217,6 +224,10 @@ class AutoscalingSpec(ApiModel):
     stabilization: Stabilization = Field(default_factory=Stabilization, description="Stabilization windows.")
     max_step_percent: int = Field(
         default=100, ge=1, le=1000, description="Largest change in one decision, in percent of current replicas."
+    )
+    prefill_decode_ratio: PrefillDecodeRatio = Field(
+        default_factory=PrefillDecodeRatio,
+        description="Disaggregated mode: the prefill and decode pools scale separately within this replica ratio.",
     )
 
 

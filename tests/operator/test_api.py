@@ -68,9 +68,11 @@ def test_wire_names_are_exactly_the_issues() -> None:
         "scaleToZero",
         "stabilization",
         "maxStepPercent",
+        "prefillDecodeRatio",
     }
     assert set(wire["autoscaling"]["scaleToZero"]) == {"enabled", "idleSeconds"}
     assert set(wire["autoscaling"]["stabilization"]) == {"upSeconds", "downSeconds"}
+    assert wire["autoscaling"]["prefillDecodeRatio"] == {"min": 0.1, "max": 4.0}
     assert set(wire["rollout"]) == {"maxSurge", "maxUnavailable"}
     assert set(wire["pools"]["unified"]) == {"replicas", "minReplicas", "maxReplicas"}
     slo = InferenceServiceSpec.model_validate({**MINIMAL, "autoscaling": {"slo": {"ttftP95Ms": 1, "itlP95Ms": 2}}})
@@ -205,3 +207,9 @@ def test_api_package_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert result.returncode == 0, result.stderr + result.stdout
+
+
+def test_every_exported_name_exists() -> None:
+    import tidepool.operator.api as api
+
+    assert [name for name in api.__all__ if not hasattr(api, name)] == []

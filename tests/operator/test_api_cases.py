@@ -166,6 +166,13 @@ INVALID_CASES: tuple[Case, ...] = (
         _rule("tolerationSeconds applies only"),
         "rule",
     ),
+    Case(
+        "pd-ratio-inverted",
+        _set("spec.autoscaling.prefillDecodeRatio", {"min": 2, "max": 1}),
+        _rule("autoscaling.prefillDecodeRatio.min"),
+        "rule",
+        base="disaggregated",
+    ),
     Case("cpu-not-quantity", _set("spec.resources.cpu", "four"), types.QUANTITY_MESSAGE, "field"),
     Case("surge-not-percent", _set("spec.rollout.maxSurge", "half"), types.INT_OR_PERCENT_MESSAGE, "field"),
     Case("quantization-enum", _set("spec.model.quantization", "fp8"), 'supported values: "none", "int8"', "field"),
