@@ -1,0 +1,120 @@
+"""The autoscaling policy's inputs and outputs: plain frozen dataclasses, no pydantic, no I/O.
+
+Role: the contract between the policy (`policy.decide`), the collector (which fills
+`PoolSnapshot`s), the operator (which maps the InferenceService spec to `AutoscaleConfig`
+via `config.config_from_spec` and observed workloads to `PoolState`), and the simulator
+(`bench/autoscale_sim.py`), which drives the same policy without Kubernetes.
+
+Invariants:
+- Pool names are "unified", or "prefill" and "decode" (disaggregated).
+- Latencies are seconds; fractions are 0..1; every count is per pool, not per pod, unless
+  the field name says `per_replica`.
+- `History` is immutable: `decide` returns the next one inside its `Decision`; the caller
+  stores it and passes it back next time (that is all the state the policy has).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+UNIFIED, PREFILL, DECODE = "unified", "prefill", "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolBounds:
+    min_replicas: int
+    max_replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    pools: Mapping[str, PoolBounds]  # "unified" or "prefill" + "decode"
+    is_advisory: bool = False  # decide and report, never change replicas
+    ttft_p95_s: float | None = None  # slo.ttftP95Ms / 1000
+    itl_p95_s: float | None = None  # slo.itlP95Ms / 1000
+    kv_cache_target: float = 0.75  # target mean vllm:kv_cache_usage_perc per replica
+    queue_depth_target: float = 4.0  # target waiting requests per replica (prefill pods: waiting + in prefill)
+    scale_to_zero: bool = False
+    idle_seconds: float = 900.0  # no request for this long -> zero replicas
+    up_seconds: float = 0.0  # scale-up stabilization window (min of recommendations within it)
+    down_seconds: float = 300.0  # scale-down stabilization window (max of recommendations within it)
+    max_step_percent: float = 100.0  # one decision changes a pool by at most this % of its replicas
+    min_step_replicas: int = 4  # ... but scale-up may always add this many (small pools grow fast)
+    tolerance: float = 0.1  # |load ratio - 1| within this: no change (anti-flap band)
+    # Scale down only while every latency p95 is below this fraction of its SLO: latency is not
+    # proportional to load, so a pool near its SLO must not shrink even if utilization says it could.
+    down_latency_headroom: float = 0.8
+    # prefill:decode replica ratio bounds (proposed CRD field: autoscaling.prefillDecodeRatio {min, max}).
+    pd_ratio_min: float = 0.1
+    pd_ratio_max: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """One pool's metrics over the window (see window.PoolWindow.snapshot); None = unknown."""
+
+    ttft_p95_s: float | None = None
+    itl_p95_s: float | None = None
+    num_requests: float | None = None  # requests that got their first token within the window
+    kv_cache_usage: float | None = None  # mean over scraped pods, latest scrape
+    num_waiting: float | None = None  # sum over scraped pods
+    num_running: float | None = None  # sum over scraped pods
+    preemptions_per_s: float | None = None
+    held_requests: float = 0.0  # router: requests held while the pool has no ready replica
+    num_pods_scraped: int = 0
+    num_pods_failed: int = 0
+    window_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """What the cluster has for a pool right now."""
+
+    replicas: int  # the workload's spec.replicas
+    num_unschedulable: int = 0  # pods Pending with PodScheduled=False/Unschedulable
+    unschedulable_message: str = ""  # the scheduler's message, e.g. "0/2 nodes: Insufficient nvidia.com/gpu"
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    recommendations: tuple[tuple[float, Mapping[str, int]], ...] = ()  # (time, raw recommendation per pool)
+    last_scale_time: float | None = None
+    last_active_time: float | None = None  # last time any pool saw a request (idle -> zero)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDecision:
+    current: int
+    desired: int
+    recommendation: int  # before stabilization, step bounds, [min, max], capacity and ratio guards
+    load_ratio: float | None  # the binding signal over its target (None: no usable data)
+    signal: str  # which signal set the load ratio, e.g. "ttft_p95 0.62s / slo 0.50s"
+    is_limited: bool = False
+    limited_reason: str = ""
+    has_complete_data: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pools: Mapping[str, PoolDecision]
+    replicas: Mapping[str, int]  # what to apply: desired (active) or current (advisory)
+    is_advisory: bool
+    reason: str  # human-readable, one clause per pool
+    history: History = field(default_factory=History)
+
+    @property
+    def desired(self) -> dict[str, int]:
+        return {name: pool.desired for name, pool in self.pools.items()}
+
+    @property
+    def is_scaling(self) -> bool:
+        return any(pool.desired != pool.current for pool in self.pools.values())
+
+    @property
+    def is_limited(self) -> bool:
+        return any(pool.is_limited for pool in self.pools.values())
+
+    @property
+    def limited_reason(self) -> str:
+        return "; ".join(f"{name}: {p.limited_reason}" for name, p in self.pools.items() if p.is_limited)
