@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .layers.attention_backend import build_decode_mask, build_prefill_mask
+from .layers.attention_backend import attach_kernel_views, build_decode_mask, build_prefill_mask
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
 from .models.llama import LlamaForCausalLM
 from .sampler import Sampler
@@ -58,6 +58,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        prefill_tables: list[list[int]] = []
         bs = self.block_size
         window = self.config.sliding_window
         for seq in sched_out.scheduled:
@@ -77,6 +78,7 @@ class ModelRunner:
                 decode_tables.append(blocks[:num_blocks])
                 decode_lens.append(context_len)
             else:
+                prefill_tables.append(blocks[:num_blocks])
                 prefills.append(
                     PrefillChunk(
                         query_start=query_start,
@@ -113,6 +115,14 @@ class ModelRunner:
             decode_kv_scratch=scratch,
             prefills=prefills,
         )
+        if self.device.type == "cuda":
+            attach_kernel_views(
+                meta,
+                decode_tables + prefill_tables,
+                decode_lens + [c.context_len for c in prefills],
+                [1] * len(decode_tables) + [c.num_query_tokens for c in prefills],
+                window,
+            )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),
@@ -164,6 +174,8 @@ class ModelRunner:
                 )
             ],
         )
+        if self.device.type == "cuda":
+            attach_kernel_views(meta, [list(range(num_blocks))], [num_tokens], [num_tokens], self.config.sliding_window)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch, meta)
         return self.model.compute_logits(hidden)

@@ -1,27 +1,34 @@
 """The single attention dispatch point: paged attention over the KV cache.
 
 `paged_attention` stores the step's new K/V into the paged cache (layout
-[num_blocks, block_size, num_kv_heads, head_dim]) and attends. On CPU it uses torch's
-scaled_dot_product_attention: decodes are batched by gathering each sequence's blocks
-(padded to the longest, masked); prefill chunks go one by one, attending to the cached prefix
-plus the chunk, causally aligned to the end of the sequence. GQA/MQA via `enable_gqa`.
-Triton kernels plug in here on CUDA (another issue); the model never sees the difference.
+[num_blocks, block_size, num_kv_heads, head_dim]) and attends; the model never sees which
+implementation ran.
+
+- CUDA tensors (with the runner's int32 kernel views in the metadata): Triton kernels through
+  `tidepool.kernels.dispatch`: `store_kv`, paged decode for the decode rows (split-K when the
+  batch is small), and one varlen flash-attention launch for all prefill chunks, reading
+  cached prefix and new tokens from the paged cache.
+- Elsewhere, torch's scaled_dot_product_attention: decodes are batched by gathering each
+  sequence's blocks (padded to the longest, masked); prefill chunks go one by one, attending
+  to the cached prefix plus the chunk, causally aligned to the end of the sequence. GQA/MQA
+  via `enable_gqa`.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
+from ...kernels import dispatch
 from .attention_metadata import AttentionMetadata
 
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    dispatch.store_kv(k, v, k_cache, v_cache, slots)
 
 
 def paged_attention(
@@ -34,6 +41,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's tokens) -> [T, Hq, D]."""
+    if q.is_cuda and meta.block_tables is not None and meta.seq_lens is not None and meta.cu_seqlens_q is not None:
+        return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     num_decode = meta.num_decode_seqs
@@ -59,6 +68,40 @@ def paged_attention(
     return out
 
 
+def _paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    dispatch.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_decode = meta.num_decode_seqs
+    window = meta.sliding_window
+    if num_decode:
+        tables, lens = meta.block_tables[:num_decode], meta.seq_lens[:num_decode]
+        dispatch.paged_attention_decode(
+            q[:num_decode], k_cache, v_cache, tables, lens, scale, sliding_window=window, out=out[:num_decode]
+        )
+    if meta.prefills:
+        # cu_seqlens_q holds absolute row offsets, so the prefill rows are addressed inside the full q/out.
+        dispatch.flash_attention_varlen(
+            q,
+            k_cache,
+            v_cache,
+            meta.cu_seqlens_q[num_decode:],
+            meta.seq_lens[num_decode:],
+            meta.block_tables[num_decode:],
+            scale,
+            sliding_window=window,
+            out=out,
+        )
+    return out
+
+
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     blocks = cache.index_select(0, block_ids)
     return blocks.view(-1, cache.shape[2], cache.shape[3])[:length]
@@ -81,6 +124,32 @@ def _decode(
         q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )
     return attn.squeeze(2)
+
+
+def attach_kernel_views(
+    meta: AttentionMetadata,
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    sliding_window: int | None,
+) -> None:
+    """Fill the kernel-facing int32 views (sequences in token-layout order) with one host-to-device copy.
+
+    Block tables are padded with block 0; the kernels never read an entry past a sequence's length.
+    """
+    num_seqs = len(seq_lens)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    flat: list[int] = []
+    for table in block_tables:
+        flat.extend(table)
+        flat.extend([0] * (max_blocks - len(table)))
+    host = torch.tensor(flat + seq_lens + list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32)
+    device_buf = host.to(meta.slot_mapping.device)
+    num_table = num_seqs * max_blocks
+    meta.block_tables = device_buf[:num_table].view(num_seqs, max_blocks)
+    meta.seq_lens = device_buf[num_table : num_table + num_seqs]
+    meta.cu_seqlens_q = device_buf[num_table + num_seqs :]
+    meta.sliding_window = sliding_window
 
 
 def build_decode_mask(

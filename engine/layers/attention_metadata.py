@@ -2,7 +2,9 @@
 
 Token layout of a step: the decode tokens (one per sequence) first, then each prefill chunk's
 tokens in order. Every tensor the Triton kernels need (`block_tables`, `seq_lens`,
-`cu_seqlens_q`) is here, as is what the torch path precomputes once per step (masks).
+`cu_seqlens_q`) is here, as is what the torch path precomputes once per step (masks). The
+runner fills the kernel views only on CUDA (`attach_kernel_views`); without them the backend
+takes the torch path, so a CPU step pays nothing for them.
 """
 
 from __future__ import annotations
@@ -35,3 +37,4 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor | None = None  # int32 [num_seqs], context length after this step
     cu_seqlens_q: torch.Tensor | None = None  # int32 [num_seqs + 1]
+    sliding_window: int | None = None  # keys kept per query (HF semantics); the kernel path applies it

@@ -1,10 +1,16 @@
-"""RMSNorm with an optional fused residual add, matching Hugging Face's arithmetic (norm in float32)."""
+"""RMSNorm with an optional fused residual add, matching Hugging Face's arithmetic (norm in float32).
+
+On CUDA the add and the norm run as one Triton kernel (`tidepool.kernels.dispatch.rms_norm`,
+same arithmetic); elsewhere torch's `rms_norm`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ...kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +21,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (normed, new residual); with a residual, the input is added to it first."""
+        if x.is_cuda:
+            if residual is None:
+                return dispatch.rms_norm(x, self.weight, self.eps), x
+            return dispatch.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         residual = x
