@@ -1,14 +1,17 @@
-"""Fixtures for the router tests: fake engines and routers served in-process (threads), stopped at the end.
+"""Fixtures for the router tests: fake engines and routers served in-process (threads), stopped at the end;
+and two real `tidepool serve` processes on the tiny model, shared by the real-engine modules.
 
-Real-engine fixtures live in `test_router_engines.py`, module-scoped, since each engine process loads torch.
+Each real engine loads torch (5-10 s here), so `engines` is session-scoped and started in parallel.
+Tests that kill one (`engines.b`) restart it on the same port before they end (`engines.restart_b`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from router_helpers import Servers
+from router_helpers import ENGINE_FLAGS, Engines, Servers, spawn, wait_ready
 
 
 @pytest.fixture
@@ -17,3 +20,16 @@ def servers() -> Iterator[Servers]:
     yield servers
     for server in reversed(servers.started):
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    log_dir = tmp_path_factory.mktemp("router-logs")
+    args = ["serve", "--model", str(tiny_model_dir), *ENGINE_FLAGS]
+    fleet = Engines(tiny_model_dir, log_dir, spawn(log_dir, "a", args), spawn(log_dir, "b", args))
+    try:
+        wait_ready(fleet.a, fleet.b)
+        yield fleet
+    finally:
+        for proc in [fleet.a, fleet.b, *fleet.others]:
+            proc.stop()

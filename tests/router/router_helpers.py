@@ -6,10 +6,15 @@ from command-line flags (the same parsing as `tidepool router`), both served by 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 from router_fake_engine import FakeEngine, ThreadServer
@@ -62,3 +67,97 @@ class Servers:
         wait_for(lambda: list(replica_states(server.url, pool).values()).count("ready") >= wait_ready,
                  what=f"{wait_ready} ready replicas")  # fmt: skip
         return server
+
+
+@dataclass
+class Proc:
+    """A `tidepool serve` or `tidepool router` subprocess on a loopback port, its output in `log_path`."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _tidepool() -> list[str]:
+    script = Path(sys.executable).with_name("tidepool")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "tidepool.cli"]
+
+
+def spawn(log_dir: Path, name: str, args: list[str], port: int | None = None) -> Proc:
+    """Start `tidepool <args> --host 127.0.0.1 --port PORT` (cwd outside the repo: operator/ must not shadow)."""
+    port = port or free_port()
+    log_path = log_dir / f"{name}-{port}.log"
+    cmd = [*_tidepool(), *args, "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir, env=env)
+    return Proc(proc, port, log_path)
+
+
+def wait_ready(*procs: Proc, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        while True:
+            if proc.proc.poll() is not None:
+                raise RuntimeError(f"{proc.log_path.name} exited with {proc.proc.returncode}:\n{proc.log()}")
+            try:
+                if httpx.get(f"{proc.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proc.log_path.name} not ready after {timeout} s:\n{proc.log()}")
+            time.sleep(0.2)
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """Sums of an engine's prefix-cache counters (`vllm:prefix_cache_{queries,hits}_total`) from its /metrics."""
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        for name in totals:
+            if line.startswith(f"vllm:prefix_cache_{name}_total"):
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+ENGINE_FLAGS = ("--served-model-name", "tiny", "--max-model-len", "1024", "--seed", "0")
+
+
+@dataclass
+class Engines:
+    model: Path
+    log_dir: Path
+    a: Proc
+    b: Proc
+    others: list[Proc] = field(default_factory=list)  # started by tests; stopped at the end
+
+    def serve(self, name: str, *flags: str, port: int | None = None) -> Proc:
+        proc = spawn(self.log_dir, name, ["serve", "--model", str(self.model), *ENGINE_FLAGS, *flags], port)
+        self.others.append(proc)
+        return proc
+
+    def router(self, *flags: str) -> Proc:
+        proc = spawn(self.log_dir, "router", ["router", "--health-interval", "0.2", *flags])
+        self.others.append(proc)
+        return proc
+
+    def restart_b(self) -> Proc:
+        """A new engine process on b's port (after a test killed b)."""
+        self.b = self.serve("b", port=self.b.port)
+        return self.b
