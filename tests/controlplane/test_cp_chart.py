@@ -51,8 +51,7 @@ def release(control_plane, cp_namespace) -> Iterator[tuple[str, str]]:
         yield name, cp_namespace
     finally:
         for kind in ("clusterrolebinding", "clusterrole"):
-            for suffix in ("-tidepool", "-tidepool-cluster"):
-                control_plane.kubectl("delete", kind, f"{name}{suffix}", "--ignore-not-found", check=False)
+            control_plane.kubectl("delete", kind, f"{name}-tidepool", "--ignore-not-found", check=False)
 
 
 def test_rendered_chart_passes_server_side_dry_run(control_plane, release):
@@ -120,7 +119,6 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("watch", "inferenceservices.tidepool.dev", None),
             ("patch", "inferenceservices.tidepool.dev", other),
             ("patch", "inferenceservices.tidepool.dev/status", other),
-            ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
             ("create", "deployments.apps", other),
             ("patch", "statefulsets.apps", other),
             ("delete", "services", other),
@@ -133,7 +131,8 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
         denied: list[tuple[str, str, str | None]] = [
             ("get", "secrets", other),
             ("list", "nodes", None),
-            ("delete", "customresourcedefinitions.apiextensions.k8s.io", None),
+            ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
+            ("list", "namespaces", None),
             ("create", "clusterroles.rbac.authorization.k8s.io", None),
             ("escalate", "roles.rbac.authorization.k8s.io", other),
             ("impersonate", "serviceaccounts", other),
@@ -163,7 +162,7 @@ def test_watch_namespaces_limits_writes_to_those_namespaces(control_plane, relea
         _wait_for_binding(control_plane, subject, namespace)
         assert not _can_i(control_plane, subject, "create", "deployments.apps", other)
         assert not _can_i(control_plane, subject, "list", "inferenceservices.tidepool.dev", other)
-        assert _can_i(control_plane, subject, "watch", "customresourcedefinitions.apiextensions.k8s.io", None)
+        assert not _can_i(control_plane, subject, "watch", "inferenceservices.tidepool.dev", None)
     finally:
         control_plane.kubectl("delete", "namespace", other, "--wait=false", check=False)
 

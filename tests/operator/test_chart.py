@@ -54,14 +54,7 @@ def test_lint_is_clean(helm: str) -> None:
 
 def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
     docs = render(helm)
-    assert sorted(d["kind"] for d in docs) == [
-        "ClusterRole",
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "ClusterRoleBinding",
-        "Deployment",
-        "ServiceAccount",
-    ]
+    assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
     for doc in docs:
         labels = doc["metadata"]["labels"]
         for key in ("name", "instance", "version", "managed-by", "part-of", "component"):
@@ -107,7 +100,7 @@ def _rules(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 def test_rbac_is_least_privilege(helm: str) -> None:
     roles = _rules(render(helm))
-    assert set(roles) == {"tp-tidepool", "tp-tidepool-cluster"}
+    assert set(roles) == {"tp-tidepool"}
     granted: dict[tuple[str, str], set[str]] = {}
     for rules in roles.values():
         for rule in rules:
@@ -117,11 +110,17 @@ def test_rbac_is_least_privilege(helm: str) -> None:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     granted.setdefault((group, resource), set()).update(rule["verbs"])
-    for forbidden in ("secrets", "nodes", "clusterroles", "clusterrolebindings", "mutatingwebhookconfigurations"):
+    # Nothing secret and nothing cluster-scoped: kopf runs with scanning disabled (no CRD/namespace watch).
+    for forbidden in (
+        "secrets",
+        "nodes",
+        "namespaces",
+        "customresourcedefinitions",
+        "clusterroles",
+        "clusterrolebindings",
+        "mutatingwebhookconfigurations",
+    ):
         assert not any(resource == forbidden for _, resource in granted), forbidden
-    # Cluster-scoped objects are only read.
-    assert granted[("apiextensions.k8s.io", "customresourcedefinitions")] == {"get", "list", "watch"}
-    assert granted[("", "namespaces")] == {"get", "list", "watch"}
     # What reconciliation needs (the operator's own tests prove it is enough).
     assert {"get", "list", "watch", "patch"} <= granted[("tidepool.dev", "inferenceservices")]
     assert "patch" in granted[("tidepool.dev", "inferenceservices/status")]
@@ -136,7 +135,7 @@ def test_watch_namespaces_binds_the_namespaced_role_only_there(helm: str) -> Non
     bindings = _by_kind(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["roleRef"]["name"] == "tp-tidepool" for b in bindings)
-    assert [b["roleRef"]["name"] for b in _by_kind(docs, "ClusterRoleBinding")] == ["tp-tidepool-cluster"]
+    assert _by_kind(docs, "ClusterRoleBinding") == []
 
 
 def test_rbac_and_service_account_can_be_brought_by_the_user(helm: str) -> None:
