@@ -31,14 +31,19 @@ def free_port() -> int:
 
 
 def spawn_workers(
-    config: EngineConfig, parallel: ParallelConfig, node_rank: int, master_addr: str, master_port: int
+    config: EngineConfig,
+    parallel: ParallelConfig,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    skip_rank: int = 0,
 ) -> dict[int, BaseProcess]:
-    """Start this node's worker ranks (on node 0, all but rank 0, which is the driver itself)."""
+    """Start this node's ranks except `skip_rank`, which runs in the calling process (rank 0: the driver)."""
     context = multiprocessing.get_context("spawn")
     ranks = parallel.node_ranks(node_rank)
     procs: dict[int, BaseProcess] = {}
     for rank in ranks:
-        if rank == 0:
+        if rank == skip_rank:
             continue
         args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port)
         proc = context.Process(target=worker_main, args=(args,), name=f"tidepool-rank{rank}", daemon=True)
@@ -66,10 +71,12 @@ def run_worker_node(config: EngineConfig, parallel: ParallelConfig, node_rank: i
     if not 0 < node_rank < parallel.nnodes:
         raise ValueError(f"node_rank={node_rank} must be in [1, nnodes={parallel.nnodes}) for a worker node")
     port = parallel.master_port or DEFAULT_MASTER_PORT
-    procs = spawn_workers(config, parallel, node_rank, parallel.master_addr, port)
+    first = parallel.node_ranks(node_rank).start
+    # The node's first rank runs in this process (one torch start-up fewer); the others are spawned.
+    procs = spawn_workers(config, parallel, node_rank, parallel.master_addr, port, skip_rank=first)
     logger.info(
-        "node %d: started ranks %s, driver at %s:%d",
-        node_rank, list(procs), parallel.master_addr, port,
+        "node %d: ranks %s, driver at %s:%d",
+        node_rank, [first, *procs], parallel.master_addr, port,
     )  # fmt: skip
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -77,11 +84,12 @@ def run_worker_node(config: EngineConfig, parallel: ParallelConfig, node_rank: i
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
+        worker_main(WorkerArgs(first, 0, parallel, config, parallel.master_addr, port), in_process=True)
         for proc in procs.values():
             proc.join()
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_processes(procs, timeout=0.0)
-    codes = {rank: proc.exitcode for rank, proc in procs.items()}
+    codes = {first: 0} | {rank: proc.exitcode for rank, proc in procs.items()}
     logger.info("node %d: workers exited with %s", node_rank, codes)
     return 0 if all(code == 0 for code in codes.values()) else 1

@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
@@ -88,9 +89,12 @@ def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int, 
     return (num_blocks, block_size, local_kv_heads(model_config.num_key_value_heads, tp), model_config.head_dim)
 
 
-def worker_main(args: WorkerArgs) -> None:
-    """Entry point of a spawned worker process."""
-    logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+def worker_main(args: WorkerArgs, in_process: bool = False) -> None:
+    """Entry point of a worker rank: a spawned process, or (`in_process`) a worker node's launcher itself."""
+    if not in_process:
+        logging.basicConfig(level="INFO", format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+        # tqdm's default lock is a multiprocessing semaphore; os._exit below would leak it (a warning at exit).
+        tqdm.set_lock(threading.RLock())
     _watch_parent()
     worker = _Worker(args)
     try:
@@ -100,6 +104,9 @@ def worker_main(args: WorkerArgs) -> None:
         logger.error("worker rank %d failed:\n%s", args.rank, text)
         worker.report_error(text)
         os._exit(1)  # skip interpreter teardown: a broken group's threads must not keep us alive
+    if not in_process:
+        logging.shutdown()
+        os._exit(0)  # the group is destroyed; skipping torch's slow interpreter teardown speeds up shutdown
 
 
 class _Worker:

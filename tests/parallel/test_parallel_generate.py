@@ -1,0 +1,141 @@
+"""Tensor/pipeline parallel engines on CPU (gloo) give the single process's greedy tokens.
+
+One engine per layout (2-way TP, 2-stage PP, TP x PP = 2 x 2), each reused for several checks
+because starting ranks (a torch import per process) dominates the run time on a small machine:
+identical greedy tokens over a continuous batch of mixed lengths (a small token budget, so
+chunked prefills and decodes share steps), logits close to the single process's, each rank's
+KV cache holding only its heads / layers. The 2-way TP engine then loses a worker to SIGKILL
+and must raise `WorkerFailedError` (not hang) and leave no process behind. A multi-node group
+runs as two "nodes" on this machine: the test process is node 0, `tidepool serve --node-rank 1`
+is node 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tidepool.engine import LLM, SamplingParams
+from tidepool.engine.distributed.executor import WorkerFailedError
+from tidepool.engine.distributed.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+# Small budget: prompts longer than 24 tokens are prefilled in chunks while others decode.
+ENGINE: dict[str, Any] = dict(
+    device="cpu", dtype="float32", max_num_batched_tokens=24, num_kv_blocks=96, max_model_len=256, show_progress=False
+)
+PROMPT_LENGTHS = (3, 61, 17, 40, 9, 26)
+NUM_TOKENS = 10
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _params() -> list[SamplingParams]:
+    # Different output lengths, so requests finish at different steps and the batch keeps changing.
+    return [SamplingParams(max_tokens=NUM_TOKENS + i % 3, temperature=0.0, ignore_eos=True) for i in range(6)]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), _params(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> dict[str, Any]:
+    llm = LLM(str(tiny_model_dir), **ENGINE)
+    tokens = _generate(llm)
+    logits = llm.engine.runner.prompt_logits(_prompts()[1])
+    return {"tokens": tokens, "logits": logits}
+
+
+@pytest.fixture()
+def parallel_llm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[LLM]:
+    tp, pp = request.param
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, **ENGINE)
+    try:
+        yield llm
+    finally:
+        llm.engine.close()
+    for proc in llm.engine.executor._workers.procs.values():
+        assert not proc.is_alive(), f"worker {proc.name} outlived close()"
+
+
+def _check_same_as_single(llm: LLM, reference: dict[str, Any]) -> None:
+    assert _generate(llm) == reference["tokens"]
+    logits = llm.engine.runner.prompt_logits(_prompts()[1])  # a scratch-KV pass through every rank
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4)
+    # Prefix caching: the same prompts again hit the cache on every rank's (sharded) KV.
+    assert _generate(llm) == reference["tokens"]
+
+
+@pytest.mark.parametrize("parallel_llm", [(2, 1)], indirect=True, ids=["tp2"])
+def test_tp2_matches_single_process_and_a_killed_worker_raises(parallel_llm: LLM, reference: dict[str, Any]) -> None:
+    _check_same_as_single(parallel_llm, reference)
+    k_cache = parallel_llm.engine.runner.kv_caches[0][0]
+    assert k_cache.shape[2] == 1  # 2 kv heads over 2 ranks: one each
+    assert len(parallel_llm.engine.runner.kv_caches) == 2
+
+    worker = parallel_llm.engine.executor._workers.procs[1]
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="rank 1"):
+        _generate(parallel_llm)
+    assert time.monotonic() - start < 30
+    worker.join(5)
+    assert not worker.is_alive()
+    with pytest.raises(WorkerFailedError):  # stays failed: no half-working engine
+        _generate(parallel_llm)
+
+
+@pytest.mark.parametrize("parallel_llm", [(1, 2)], indirect=True, ids=["pp2"])
+def test_pp2_matches_single_process(parallel_llm: LLM, reference: dict[str, Any]) -> None:
+    _check_same_as_single(parallel_llm, reference)
+    assert len(parallel_llm.engine.runner.kv_caches) == 1  # rank 0 caches its own stage's layer only
+    assert parallel_llm.engine.runner.kv_caches[0][0].shape[2] == 2
+
+
+@pytest.mark.parametrize("parallel_llm", [(2, 2)], indirect=True, ids=["tp2xpp2"])
+def test_tp2_pp2_matches_single_process(parallel_llm: LLM, reference: dict[str, Any]) -> None:
+    _check_same_as_single(parallel_llm, reference)
+    assert len(parallel_llm.engine.runner.kv_caches) == 1
+    assert parallel_llm.engine.runner.kv_caches[0][0].shape[2] == 1
+
+
+def test_two_nodes_on_one_machine(tiny_model_dir: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    """Node 0 (this process, driver + stage 0) and node 1 (`tidepool serve --node-rank 1`, stage 1)."""
+    port = free_port()
+    tidepool = Path(sys.executable).with_name("tidepool")
+    node1 = subprocess.Popen(
+        [str(tidepool), "serve", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"],
+        env={**os.environ, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        llm = LLM(
+            str(tiny_model_dir), pipeline_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=port, **ENGINE
+        )
+        assert not llm.engine.executor._workers.procs  # every worker rank lives on node 1
+        assert _generate(llm) == reference["tokens"]
+        llm.engine.close()
+        output, _ = node1.communicate(timeout=60)
+        assert node1.returncode == 0, output
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
