@@ -114,9 +114,10 @@ def build_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        dead = [task.get_name() for task in state.tasks if task.done()]
+        # Static discovery finishes after its one update; a task that raised is what makes the router dead.
+        dead = [t.get_name() for t in state.tasks if t.done() and not t.cancelled() and t.exception() is not None]
         if dead:
-            return JSONResponse({"status": "dead", "stopped_tasks": dead}, status_code=500)
+            return JSONResponse({"status": "dead", "failed_tasks": dead}, status_code=500)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")

@@ -45,6 +45,7 @@ def test_proxies_completions_and_chat_streaming_and_not(servers: Servers) -> Non
     assert metric_value(router.url, 'tidepool_router_requests_total{code="200",pool="unified",replica="'
                         f'127.0.0.1:{a.port}"}}') == 2  # fmt: skip
     assert httpx.get(f"{router.url}/ready").status_code == 200
+    assert httpx.get(f"{router.url}/health").json() == {"status": "ok"}
     bad = httpx.post(f"{router.url}/v1/completions", content=b"{not json")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
