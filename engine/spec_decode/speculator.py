@@ -7,7 +7,13 @@ next token is the one to sample), the proposer suggests K_r tokens, K_r derived 
 budget or KV memory is short), the runner returns the target logits at each position, and
 `verify` turns those into emitted tokens with the rejection sampler, using the target sampler's
 own processing of each position's logits (penalties see the proposals before that position),
-so the emitted tokens have exactly the distribution plain decoding would give. Counters feed
+so the emitted tokens have exactly the distribution plain decoding would give.
+
+Backoff on measured acceptance, per request: after m verification steps in a row that accepted
+nothing, the request gets no proposals for min(2^m - 1, MAX_BACKOFF_STEPS) steps (a proposer that
+keeps missing, e.g. n-gram lookup on free text, then costs almost nothing); one accepted token
+resets it. The decision uses only the past, so every emitted token keeps the target's distribution.
+Counters feed
 `vllm:spec_decode_num_draft_tokens` / `vllm:spec_decode_num_accepted_tokens`.
 """
 
@@ -30,6 +36,8 @@ from .rejection_sampler import greedy_verify, rejection_sample
 
 logger = logging.getLogger(__name__)
 
+MAX_BACKOFF_STEPS = 15
+
 
 class Speculator:
     def __init__(
@@ -47,6 +55,8 @@ class Speculator:
         self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
         self.draft = draft
         self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self._misses: dict[str, int] = {}  # consecutive verification steps that accepted nothing
+        self._cooldown: dict[str, int] = {}  # steps left without proposals
         self.num_draft_tokens = 0  # proposals verified (cumulative)
         self.num_accepted_tokens = 0  # of which accepted
         self.num_verified_seqs = 0  # verification rows (one per request per step with proposals)
@@ -98,6 +108,8 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self._draft_probs.pop(request_id, None)
+        self._misses.pop(request_id, None)
+        self._cooldown.pop(request_id, None)
         if self.draft is not None:
             self.draft.release(request_id)
 
@@ -113,6 +125,10 @@ class Speculator:
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1:
                 continue  # still prefilling: its next step samples no proposal-able position
+            cooldown = self._cooldown.get(request.request_id, 0)
+            if cooldown:
+                self._cooldown[request.request_id] = cooldown - 1
+                continue
             params = request.sampling_params
             num_spec = num_spec_tokens_for(
                 k,
@@ -168,6 +184,11 @@ class Speculator:
                 )
                 emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()
             runner_out.spec_token_ids[request_id] = emitted
+            if len(emitted) > 1:
+                self._misses.pop(request_id, None)
+            else:
+                misses = self._misses[request_id] = self._misses.get(request_id, 0) + 1
+                self._cooldown[request_id] = min(2**misses - 1, MAX_BACKOFF_STEPS)
             self.num_draft_tokens += num_spec
             self.num_accepted_tokens += len(emitted) - 1
             self.num_verified_seqs += 1

@@ -1,0 +1,185 @@
+"""Speculative decoding at batch size 1: decode speed with a draft model and with n-gram lookup vs none.
+
+Two workloads, greedy, one request at a time (bs=1):
+- input-grounded ("edit this code"): a Python standard-library function, then a comment asking for
+  it again with a small change, then its first line: the continuation mostly repeats the input;
+- free generation: the opening line of a function or docstring, continued freely.
+Each configuration runs the same prompts; the greedy token ids must be identical to the run without
+speculation (asserted). Printed per workload: tokens/s, speedup (ratio against no speculation in the
+same run), acceptance rate (accepted / proposed tokens) and mean tokens per target step.
+
+Models: the trained demo pair (`scripts/train_demo_models.py`, in ~/.cache/tidepool/models/demo-target and
+demo-draft) by default; `--target/--draft` choose others. Without the pair it falls back to `tidepool
+make-model`'s random `small` preset with a draft made of the target's first layer (same tokenizer);
+acceptance rates on random models are meaningless (the note is printed and saved).
+
+    nice -n 19 python bench/spec_decode.py                  # writes bench/results/spec_decode_<target>.json
+    nice -n 19 python bench/spec_decode.py --quick          # 1 prompt per workload, 32 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_model, cache_dir
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RANDOM_NOTE = "random make-model weights: acceptance rates (and so speedups) say nothing about real models"
+
+
+def _sources() -> list[str]:
+    """Functions from the standard library: present on every machine, and code the demo pair was trained on."""
+    import json.decoder as jd
+    import shlex
+    import textwrap
+
+    funcs = [textwrap.dedent, shlex.split, jd.py_scanstring, textwrap.TextWrapper._split, shlex.quote]
+    return [inspect.getsource(f) for f in funcs]
+
+
+def prompts(tokenizer: Any, max_prompt_tokens: int) -> dict[str, list[list[int]]]:
+    grounded, free = [], []
+    for source in _sources():
+        lines = source.splitlines()
+        body = "\n".join(lines[: max(4, len(lines))])
+        text = f"{body}\n\n# The same function again, with the comments kept and the names unchanged:\n{lines[0]}\n"
+        ids = tokenizer.encode(text)
+        if len(ids) > max_prompt_tokens:  # keep the tail: the instruction and the restart are what matter
+            ids = ids[:1] + ids[-(max_prompt_tokens - 1) :]
+        grounded.append(ids)
+        free.append(tokenizer.encode(lines[0] + "\n"))
+    return {"grounded": grounded, "free": free}
+
+
+def layer_draft(target: Path, out: Path, num_layers: int = 1) -> Path:
+    """A draft that is the target's first `num_layers` layers (same tokenizer): the random-model fallback."""
+    shutil.copytree(target, out, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = load_file(str(target / "model.safetensors"))
+    keep = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    save_file(keep, str(out / "model.safetensors"))
+    return out
+
+
+def run(target: Path, speculative: dict[str, Any] | None, work: dict[str, list[list[int]]], args: Any) -> dict:
+    from tidepool.engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.max_model_len // 16 * 2,
+        show_progress=False,
+        speculative=speculative,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate([work["free"][0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    result: dict[str, Any] = {}
+    for name, prompt_list in work.items():
+        spec = llm.engine.speculator
+        before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verified_seqs) if spec else (0, 0, 0)
+        tokens, seconds = [], 0.0
+        for prompt in prompt_list:  # bs=1: one request at a time
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            seconds += time.perf_counter() - start
+            tokens.append(out.outputs[0].token_ids)
+        num_tokens = sum(len(t) for t in tokens)
+        entry: dict[str, Any] = {"seconds": seconds, "tokens": num_tokens, "tokens_per_s": num_tokens / seconds}
+        if spec:
+            draft = spec.num_draft_tokens - before[0]
+            accepted = spec.num_accepted_tokens - before[1]
+            steps = spec.num_verified_seqs - before[2]
+            entry["acceptance_rate"] = accepted / draft if draft else 0.0
+            entry["tokens_per_verify_step"] = (accepted + steps) / steps if steps else 1.0
+        entry["token_ids"] = tokens
+        result[name] = entry
+    del llm
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    models = cache_dir() / "models"
+    parser.add_argument("--target", type=Path, default=models / "demo-target")
+    parser.add_argument("--draft", type=Path, default=models / "demo-draft")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=600)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine is shared)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    note = None
+    target, draft = args.target, args.draft
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        target = bench_model("llama", "small")
+        draft = layer_draft(target, cache_dir() / "models" / "llama-small-seed0-layer0-draft")
+        note = RANDOM_NOTE
+        print(f"note: demo pair not found under {models}; using {target} and its first layer as draft ({note})")
+    if args.quick:
+        args.max_tokens = 32
+
+    from tidepool.engine.tokenizer import Tokenizer
+
+    work = prompts(Tokenizer.from_pretrained(target), args.max_prompt_tokens)
+    if args.quick:
+        work = {name: p[:1] for name, p in work.items()}
+    configs: dict[str, dict[str, Any] | None] = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+        "draft": {"method": "draft", "draft_model": str(draft), "num_speculative_tokens": args.k},
+    }
+    results = {name: run(target, spec, work, args) for name, spec in configs.items()}
+    base = results["none"]
+    print(f"\ntarget {target}\ndraft  {draft}\nK={args.k}, {args.max_tokens} tokens per request, bs=1, greedy")
+    print(f"{'workload':<10} {'method':<6} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/step':>9}")
+    for workload in work:
+        for name, res in results.items():
+            entry = res[workload]
+            if entry["token_ids"] != base[workload]["token_ids"]:
+                raise RuntimeError(f"{name} changed the greedy output on {workload}: speculation must be lossless")
+            entry["speedup"] = base[workload]["seconds"] / entry["seconds"]
+            accept = f"{entry['acceptance_rate']:.1%}" if "acceptance_rate" in entry else "-"
+            per_step = f"{entry['tokens_per_verify_step']:.2f}" if "tokens_per_verify_step" in entry else "-"
+            print(
+                f"{workload:<10} {name:<6} {entry['tokens_per_s']:>8.1f} {entry['speedup']:>7.2f}x "
+                f"{accept:>7} {per_step:>9}"
+            )
+    for res in results.values():
+        for entry in res.values():
+            entry.pop("token_ids")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"spec_decode_{target.name}.json"
+    payload = {
+        "target": str(target),
+        "draft": str(draft),
+        "num_speculative_tokens": args.k,
+        "max_tokens": args.max_tokens,
+        "threads": args.threads,
+        "note": note,
+        "machine": platform.processor() or platform.machine(),
+        "results": results,
+    }
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"greedy outputs identical across methods; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
