@@ -4,8 +4,9 @@ Pure: no client, no clock (`now` is an argument), no I/O; the operator and the s
 (bench/autoscale_sim.py) call the same function.
 
 How a pool's replicas are chosen, in order:
-1. Load ratio = the largest of its signals over their targets. Prefill: TTFT p95 / SLO and
-   (waiting + in-prefill requests) per replica / queueDepthTarget. Decode: ITL p95 / SLO,
+1. Load ratio = the largest of its signals over their targets. Prefill: TTFT p95 / SLO (capped
+   at LATENCY_RATIO_CAP) and (waiting + in-prefill requests) per replica vs queueDepthTarget,
+   compared as utilizations (queue depth L -> L / (1 + L), so the ratio is proportional to load). Decode: ITL p95 / SLO,
    KV-cache usage / kvCacheTarget, waiting per replica / queueDepthTarget, and preemptions
    (any preemption reads as over target). Unified: all of them (the stricter pool wins).
    Recommendation = ceil(ratio x measured replicas), never below current when ratio > 1.
@@ -48,6 +49,19 @@ from .policy_types import (
 )
 
 _EPS = 1e-9
+# Latency grows without bound near saturation (and while a backlog drains), so a latency ratio of 10
+# does not mean 10x the replicas; each decision grows a pool at most this much on latency alone.
+LATENCY_RATIO_CAP = 2.0
+
+
+def _queue_utilization(depth: float) -> float:
+    """Requests in flight per replica -> utilization, inverting L = rho / (1 - rho) (M/M/1).
+
+    Queue depth is not proportional to load (it explodes near saturation); utilization is, so
+    ratios of utilizations give replica counts that neither overshoot on the way down nor
+    compound a transient backlog on the way up (the ratio is bounded by (1 + target) / target).
+    """
+    return depth / (1.0 + depth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +180,12 @@ def _evaluate(name: str, config: AutoscaleConfig, snap: PoolSnapshot, state: Poo
         queued = snap.num_waiting + ((snap.num_running or 0.0) if name == PREFILL else 0.0)
         per_replica = queued / measured
         label = f"queue {per_replica:.1f}/replica / {config.queue_depth_target:g}"
-        utilization.append((per_replica / config.queue_depth_target, label))
+        utilization.append((_queue_utilization(per_replica) / _queue_utilization(config.queue_depth_target), label))
     if serves_decode and snap.preemptions_per_s:
         rate = snap.preemptions_per_s / measured
         utilization.append((1 + 2 * config.tolerance + min(rate, 1.0), f"preemptions {rate:.2f}/s/replica"))
 
+    latency = [(min(r, LATENCY_RATIO_CAP), text) for r, text in latency]
     signals = latency + utilization
     if not signals:
         return _Evaluation(cur, None, "no signals", is_complete)

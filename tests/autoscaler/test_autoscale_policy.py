@@ -55,7 +55,7 @@ CASES = [
         unified_config(),
         {"unified": snap(2, num_waiting=24.0)},
         {"unified": state(2)},
-        {"unified": 6},
+        {"unified": 3},  # utilization 12/13 vs 4/5: ratio 1.15
         "queue 12.0/replica",
     ),
     Case(
@@ -117,10 +117,18 @@ CASES = [
     ),
     Case(
         "step bound: +max(100%, 4) per decision",
+        unified_config(queue_depth_target=0.25),
+        {"unified": snap(2, num_waiting=200.0)},  # utilization ratio 4.95: wants 10
+        {"unified": state(2)},
+        {"unified": 6},
+    ),
+    Case(
+        "latency alone grows a pool at most LATENCY_RATIO_CAP x per decision",
         unified_config(),
         {"unified": snap(2, ttft_p95_s=10.0)},
         {"unified": state(2)},
-        {"unified": 6},
+        {"unified": 4},
+        "ratio 2.00",
     ),
     Case(
         "step bound on the way down",
