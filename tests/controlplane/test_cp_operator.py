@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from test_cp_operator_support import (
+    NodeLeaseKeeper,
     OperatorProcess,
     bind_claims,
     children,
@@ -37,7 +38,8 @@ SAMPLES = ("inferenceservice-unified.yaml", "inferenceservice-disaggregated.yaml
 @pytest.fixture(scope="module")
 def identity(control_plane, tmp_path_factory):
     install_crd(control_plane)
-    return operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
 
 
 @pytest.fixture

@@ -82,6 +82,59 @@ def operator_identity(cluster, state_dir: Path) -> OperatorIdentity:
     return OperatorIdentity(path, sa, docs)
 
 
+class NodeLeaseKeeper:
+    """Renews the `kube-node-lease` Lease of every KWOK node every few seconds, from a thread.
+
+    Why: the dev cluster's kwok runs without `--node-lease-duration-seconds`, so nothing renews node
+    leases and its heartbeat stage fires only every 10-20 min; the node lifecycle controller then
+    marks the nodes NotReady ~50 s after start, which flips every pod's Ready to False for good (the
+    KWOK pod-ready stage only handles Pending pods). Tests that run longer than that need this
+    (the proper fix is that kwok flag in e2e/controlplane/devcluster.py).
+    """
+
+    def __init__(self, cluster, interval_s: float = 5.0) -> None:
+        import threading
+
+        self.coord = client.CoordinationV1Api(cluster.api_client())
+        self.core = client.CoreV1Api(cluster.api_client())
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="node-lease-keeper", daemon=True)
+
+    def __enter__(self) -> NodeLeaseKeeper:
+        self.renew()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def renew(self) -> None:
+        import datetime
+
+        now = datetime.datetime.now(datetime.UTC)
+        for node in self.core.list_node(label_selector="type=kwok").items:
+            name = node.metadata.name
+            body = {
+                "metadata": {"name": name, "namespace": "kube-node-lease"},
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now},
+            }
+            try:
+                self.coord.patch_namespaced_lease(name, "kube-node-lease", {"spec": body["spec"]})
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+                self.coord.create_namespaced_lease("kube-node-lease", body)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.renew()
+            except Exception:  # a transient API error must not kill the keeper; the next round retries
+                continue
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
