@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .common import container_security_context, spec_hash
+from .common import container_security_context, sorted_env, spec_hash
 from .spec_view import SpecError
 
 MODELS_DIR = "/models"
@@ -41,7 +41,7 @@ def model_source(
     rest = rest.strip("/")
     if not sep or not rest:
         raise SpecError(f"{field}: {uri!r} is not a URI; use hf://org/name, s3://bucket/prefix or pvc://claim/path")
-    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": f"{MODELS_DIR}/.hf-home"}]
+    env = sorted_env({"HOME": "/tmp", "HF_HOME": f"{MODELS_DIR}/.hf-home"})
     mounts = [
         {"name": CACHE_VOLUME, "mountPath": MODELS_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
