@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import kopf
 
+    from tidepool.operator.autoscaler import handlers as autoscaler
     from tidepool.operator.handlers import OperatorOptions, register
     from tidepool.operator.k8s import load_credentials
 
@@ -68,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     registry = kopf.OperatorRegistry()
     register(registry, creds, options)
+    autoscaler.register(registry)  # the autoscaler timer (operator/autoscaler/handlers.py)
     scope = f"namespaces {', '.join(args.namespace)}" if args.namespace else "all namespaces"
     logger.info("tidepool operator starting: %s, API server %s, liveness %s", scope, creds.server, args.liveness)
     asyncio.run(

@@ -1,0 +1,160 @@
+"""Collection: scrape engine pods' `/metrics` (and routers' held requests) into per-pool windows.
+
+Role: once per interval, for each pool of an InferenceService, a `MetricsSource` returns the
+`/metrics` bodies of the pool's ready pods (and of its routers); `Collector` parses them into a
+`window.Scrape` and appends it to that pool's `PoolWindow`. Partial data is normal: a pod that
+times out or answers garbage counts in `num_pods_failed`, which the policy reads as "incomplete:
+never scale down".
+
+Sources (pluggable, so tests feed synthetic metrics; KWOK pods have no real IPs):
+- `EndpointsSource`: pod IPs from the pool's EndpointSlices (`kubernetes.io/service-name` =
+  `<service>-<pool>`, ready endpoints only), scraped over HTTP with httpx and a timeout.
+- `UrlTemplateSource`: one URL per pool from a template (operator flag
+  `--metrics-source-url-template`, e.g. `http://feed:9000/{namespace}/{name}/{pool}`) whose body
+  is the concatenated text of all the pool's pods, one block per pod, each block starting with
+  the comment line `# pod: <pod-name>`; a feed for tests and for Prometheus-federation setups.
+
+Invariants: no decisions here; times are the caller's (monotonic) clock; the router body's
+`tidepool_router_held_requests{pool}` goes to the matching pool's scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+
+from .metrics import MetricsParseError, PodMetrics, held_requests_by_pool, pod_metrics_from_text
+from .window import PoolWindow, Scrape
+
+ENGINE_PORT = 8000
+ROUTER_PORT = 8080
+
+
+@dataclass(slots=True)
+class PoolBodies:
+    """Raw `/metrics` bodies of one pool: answered pods, failed pods, router bodies."""
+
+    bodies: dict[str, str] = field(default_factory=dict)  # pod name -> body
+    num_failed: int = 0
+    router_bodies: list[str] = field(default_factory=list)
+
+
+class MetricsSource(Protocol):
+    async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]: ...
+
+
+def split_pod_blocks(text: str) -> dict[str, str]:
+    """A feed body -> {pod name: its block}; text before the first `# pod:` line is ignored."""
+    blocks: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("# pod:"):
+            current = blocks.setdefault(line.removeprefix("# pod:").strip(), [])
+        elif current is not None:
+            current.append(line)
+    return {pod: "\n".join(lines) for pod, lines in blocks.items()}
+
+
+class UrlTemplateSource:
+    """One HTTP body per pool from a URL template with {namespace}, {name} and {pool}."""
+
+    def __init__(self, template: str, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+        self.template, self.client, self.timeout_s = template, client, timeout_s
+
+    async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]:
+        async def one(pool: str) -> PoolBodies:
+            url = self.template.format(namespace=namespace, name=name, pool=pool)
+            try:
+                response = await self.client.get(url, timeout=self.timeout_s)
+                response.raise_for_status()
+            except httpx.HTTPError:
+                return PoolBodies(num_failed=1)
+            blocks = split_pod_blocks(response.text)
+            router = [b for pod, b in blocks.items() if pod.startswith("router")]
+            return PoolBodies({p: b for p, b in blocks.items() if not p.startswith("router")}, 0, router)
+
+        results = await asyncio.gather(*(one(pool) for pool in pools))
+        return dict(zip(pools, results, strict=True))
+
+
+class EndpointsSource:
+    """Ready pod IPs from EndpointSlices (`<name>-<pool>` and `<name>-router`), scraped over httpx."""
+
+    def __init__(self, kube, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
+        self.kube, self.client, self.timeout_s = kube, client, timeout_s
+
+    async def _ready(self, namespace: str, service: str) -> list[tuple[str, str, int]]:
+        slices = await self.kube.list("EndpointSlice", namespace, f"kubernetes.io/service-name={service}")
+        found = []
+        for item in slices:
+            port = next((p.get("port") for p in item.get("ports") or [] if p.get("port")), None)
+            for endpoint in item.get("endpoints") or []:
+                if (endpoint.get("conditions") or {}).get("ready") is False:
+                    continue
+                pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
+                found.append((pod, endpoint["addresses"][0], port))
+        return found
+
+    async def _get(self, ip: str, port: int) -> str | None:
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            response = await self.client.get(f"http://{host}:{port}/metrics", timeout=self.timeout_s)
+            response.raise_for_status()
+            return response.text
+        except httpx.HTTPError:
+            return None
+
+    async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]:
+        routers = await self._ready(namespace, f"{name}-router")
+        router_bodies = [
+            b for b in await asyncio.gather(*(self._get(ip, p or ROUTER_PORT) for _, ip, p in routers)) if b
+        ]
+        out = {}
+        for pool in pools:
+            pods = await self._ready(namespace, f"{name}-{pool}")
+            bodies = await asyncio.gather(*(self._get(ip, port or ENGINE_PORT) for _, ip, port in pods))
+            answered = {pod: body for (pod, _, _), body in zip(pods, bodies, strict=True) if body is not None}
+            out[pool] = PoolBodies(answered, len(pods) - len(answered), router_bodies)
+        return out
+
+
+class Collector:
+    """Per-InferenceService windows of every pool, fed from one `MetricsSource`."""
+
+    def __init__(self, source: MetricsSource, window_s: float = 60.0) -> None:
+        self.source, self.window_s = source, window_s
+        self.windows: dict[tuple[str, str, str], PoolWindow] = {}
+
+    async def collect(self, namespace: str, name: str, pools: tuple[str, ...], now: float) -> None:
+        fetched = await self.source.fetch(namespace, name, pools)
+        for pool in pools:
+            got = fetched.get(pool) or PoolBodies()
+            window = self.windows.setdefault((namespace, name, pool), PoolWindow(self.window_s))
+            window.add(to_scrape(pool, got, now))
+
+    def snapshots(self, namespace: str, name: str, pools: tuple[str, ...]):
+        return {pool: w.snapshot() for pool in pools if (w := self.windows.get((namespace, name, pool))) is not None}
+
+    def forget(self, namespace: str, name: str) -> None:
+        for key in [k for k in self.windows if k[:2] == (namespace, name)]:
+            del self.windows[key]
+
+
+def to_scrape(pool: str, got: PoolBodies, now: float) -> Scrape:
+    pods: dict[str, PodMetrics] = {}
+    failed = got.num_failed
+    for pod, body in got.bodies.items():
+        try:
+            pods[pod] = pod_metrics_from_text(body)
+        except MetricsParseError:
+            failed += 1
+    held = 0.0
+    for body in got.router_bodies:
+        try:
+            held += held_requests_by_pool(body).get(pool, 0.0)
+        except MetricsParseError:
+            continue
+    return Scrape(now, pods, failed, held)
