@@ -68,7 +68,9 @@ def _int4_matmul_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
         w_mask = k_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :])
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        # Masked lanes must be 0, not undefined: they enter the dot product.
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
         packed = tl.load(QWEIGHT + (ks // 8)[:, None] * stride_qk + cols[None, :] * stride_qn, mask=w_mask, other=0)
         q = ((packed >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
         if TILE_IN_GROUP:

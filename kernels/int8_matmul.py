@@ -56,8 +56,11 @@ def _int8_matmul_kernel(
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :])
-        w = tl.load(W + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=k_mask[:, None] & col_mask[None, :])
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        # Masked lanes must be 0, not undefined: they enter the dot product.
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(W + ks[:, None] * stride_wk + cols[None, :] * stride_wn, mask=w_mask, other=0)
         # Through float32: exact, free on GPUs, and the interpreter has no direct int8 -> bfloat16 cast.
         acc = mma(x, w.to(tl.float32).to(x.dtype), acc, DOT_PRECISION, UPCAST)
     acc *= tl.load(SCALES + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
