@@ -164,7 +164,9 @@ class MultiprocExecutor:
     def _check_started(self, deadline: float) -> None:
         for rank, proc in self._workers.procs.items():
             if proc.exitcode is not None:
-                raise WorkerFailedError(f"worker rank {rank} exited with code {proc.exitcode} during start-up")
+                raise WorkerFailedError(
+                    f"worker rank {rank} exited with code {proc.exitcode} during start-up (its error is logged above)"
+                )
         if time.monotonic() > deadline:
             missing = sorted(set(range(1, self.parallel.world_size)) - set(self._workers.conns))
             raise WorkerFailedError(

@@ -80,9 +80,19 @@ def load_stage(
     )
     check_tp(model_config, info.tp_size)
     ranges = partition_layers(model_config.num_hidden_layers, info.pp_size)
-    stage = StageModel(model, info, ranges[info.pp_rank], tp_group, num_micro_batches=info.pp_size)
+    stage = StageModel(model, info, ranges[info.pp_rank], tp_group, num_micro_batches=num_micro_batches(info.pp_size))
     del model
     return stage.to(device), model_config
+
+
+def num_micro_batches(pp_size: int) -> int:
+    """Micro-batches per step: pp by default; TIDEPOOL_PP_MICRO_BATCHES overrides (the same on every node)."""
+    raw = os.environ.get("TIDEPOOL_PP_MICRO_BATCHES")
+    if raw is None:
+        return pp_size
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TIDEPOOL_PP_MICRO_BATCHES={raw!r} must be a positive integer")
+    return int(raw)
 
 
 def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int, tp: int) -> tuple[int, ...]:
@@ -210,6 +220,7 @@ def _watch_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(_PARENT_POLL_S)
+        logger.error("the process that started this worker (pid %d) is gone; exiting", parent)
         os._exit(1)
 
     threading.Thread(target=watch, name="tidepool-parent-watch", daemon=True).start()

@@ -139,3 +139,42 @@ def test_two_nodes_on_one_machine(tiny_model_dir: Path, reference: dict[str, Any
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+DRIVER_SCRIPT = """
+import os, signal, sys
+from tidepool.engine import LLM
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, device="cpu", num_kv_blocks=16, max_model_len=128,
+              show_progress=False)
+    print(llm.engine.executor._workers.procs[1].pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # a zombie has exited; only its parent's reaping is left
+
+
+def test_killed_driver_leaves_no_orphan_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    driver = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_dir)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert driver.returncode == -signal.SIGKILL, driver.stderr
+    worker_pid = int(driver.stdout.split()[-1])
+    deadline = time.monotonic() + 20
+    while not _is_gone(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _is_gone(worker_pid), f"worker {worker_pid} outlived its SIGKILLed driver"
