@@ -46,7 +46,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from .metrics import RouterMetrics
-from .policy import Choice, LeastLoadPolicy
+from .policy import Choice, LeastLoadPolicy, Policy
 from .pool import NoReplicaError, Pool, Replica
 from .prefix import prefix_key, prompt_text
 from .upstream import (
@@ -155,9 +155,7 @@ class Proxy:
         self.metrics.observe(pool, replica, str(response.status_code), time.monotonic() - call.start)
         return response
 
-    async def _acquire(
-        self, pool: Pool, call: Call, key: bytes | None, policy: LeastLoadPolicy | None = None
-    ) -> Replica:
+    async def _acquire(self, pool: Pool, call: Call, key: bytes | None, policy: Policy | None = None) -> Replica:
         replica, choice = await pool.acquire(key, call.deadline, call.exclude(pool), policy)
         self._note(pool, choice, call)
         return replica
