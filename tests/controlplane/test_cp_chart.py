@@ -124,7 +124,7 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("delete", "services", other),
             ("create", "poddisruptionbudgets.policy", other),
             ("create", "rolebindings.rbac.authorization.k8s.io", other),
-            ("watch", "pods", other),
+            ("list", "pods", other),
             ("list", "endpointslices.discovery.k8s.io", other),
             ("create", "events", other),
         ]

@@ -122,11 +122,11 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     ):
         assert not any(resource == forbidden for _, resource in granted), forbidden
     # What reconciliation needs (the operator's own tests prove it is enough).
-    assert {"get", "list", "watch", "patch"} <= granted[("tidepool.dev", "inferenceservices")]
+    assert {"list", "watch", "patch"} <= granted[("tidepool.dev", "inferenceservices")]
     assert "patch" in granted[("tidepool.dev", "inferenceservices/status")]
     for child in (("apps", "deployments"), ("", "services"), ("", "configmaps"), ("policy", "poddisruptionbudgets")):
         assert {"create", "patch"} <= granted[child], child
-    assert granted[("", "pods")] == {"get", "list", "watch"}
+    assert granted[("", "pods")] <= {"get", "list", "watch"}  # observed, never changed
     assert "create" in granted[("", "events")]
 
 
