@@ -114,7 +114,7 @@ def int4_matmul(
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    block_n = 64
+    block_n = 32 if m <= 16 else 64  # decode: narrower tiles, more programs streaming the weight
     block_k = _block_k(group_size)
     if x.dtype == torch.float32:
         block_k = min(block_k, 64)

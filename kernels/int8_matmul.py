@@ -86,7 +86,7 @@ def int8_matmul(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor) -> 
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 64
-    block_n = 64
+    block_n = 32 if m <= 16 else 64  # decode: narrower tiles, more programs streaming the weight
     block_k = 64 if x.dtype == torch.float32 else 128
     num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
     num_splits = choose_split_k(num_tiles, k, block_k, x.device)
