@@ -123,4 +123,5 @@ def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int
 
 @pytest.fixture(scope="session")
 def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
-    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("draft") / "tiny-draft", scale=0.6)
+    # The tiny random model is sensitive: 8% noise keeps roughly a third of proposals accepted.
+    return perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("draft") / "tiny-draft", scale=0.08)
