@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,7 +126,7 @@ class KubernetesDiscovery:
 
     def _client(self) -> httpx.AsyncClient:
         ca = self.config.ca_file
-        verify: Any = str(ca) if ca is not None and ca.is_file() else True
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca and ca.is_file() else True
         return httpx.AsyncClient(base_url=self.server, verify=verify, timeout=10.0, transport=self._transport)
 
     def _headers(self) -> dict[str, str]:

@@ -179,9 +179,9 @@ def _completion(text: str, chat: bool, name: str) -> dict[str, Any]:
 class ThreadServer:
     """uvicorn serving an app in a background thread on loopback (port 0: a free one)."""
 
-    def __init__(self, app: FastAPI, port: int = 0) -> None:
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on",
-                                timeout_graceful_shutdown=1)  # fmt: skip
+    def __init__(self, app: FastAPI, port: int = 0, host: str = "127.0.0.1") -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_config=None, lifespan="on", timeout_graceful_shutdown=1)
+        self.host = host
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -194,7 +194,7 @@ class ThreadServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def stop(self) -> None:
         self.server.should_exit = True

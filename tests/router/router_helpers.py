@@ -53,9 +53,9 @@ def replica_states(router_url: str, pool: str = "unified") -> dict[str, str]:
 class Servers:
     started: list[ThreadServer] = field(default_factory=list)
 
-    def engine(self, name: str, port: int = 0) -> tuple[FakeEngine, ThreadServer]:
+    def engine(self, name: str, port: int = 0, host: str = "127.0.0.1") -> tuple[FakeEngine, ThreadServer]:
         fake = FakeEngine(name)
-        server = ThreadServer(fake.app(), port)
+        server = ThreadServer(fake.app(), port, host)
         self.started.append(server)
         return fake, server
 
