@@ -1,0 +1,110 @@
+"""The collector against real `tidepool serve` processes under load from bench/serve.py.
+
+Two tiny-model servers stand for two ready pods of a pool (EndpointSlices faked, the HTTP is real).
+Checks: the window counts exactly the requests of the last load phase (bucket deltas, not lifetime
+totals), the ITL histogram counts every streamed token gap, the p95s are consistent with the
+client-side measurements of bench/serve.py, and KV usage / running requests show up while loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tidepool.operator.autoscaler.collector import Collector, EndpointsSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+from serve_proc import start_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+NUM_PROMPTS, OUTPUT_LEN = 6, 12
+
+
+class FakeSlices:
+    """EndpointSlices of `svc-unified`: one ready endpoint per server, each with its own port."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+
+    async def list(self, kind: str, namespace: str, selector: str) -> list[dict]:
+        if selector != "kubernetes.io/service-name=svc-unified":
+            return []
+        return [
+            {
+                "ports": [{"port": port}],
+                "endpoints": [
+                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True}, "targetRef": {"name": f"pod-{i}"}}
+                ],
+            }
+            for i, port in enumerate(self.ports)
+        ]
+
+
+def load(url: str, model: Path, out: Path, label: str, input_len: int) -> dict:
+    cmd = [
+        sys.executable, str(REPO / "bench" / "serve.py"), "--base-url", url, "--tokenizer", str(model),
+        "--num-prompts", str(NUM_PROMPTS), "--random-input-len", str(input_len), "--random-output-len", str(OUTPUT_LEN),
+        "--max-concurrency", "3", "--label", label, "--result-dir", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=out, capture_output=True, timeout=300)
+    return json.loads((out / f"{label}.json").read_text())
+
+
+def test_collector_windows_on_real_servers(tiny_model_dir: Path, tmp_path: Path):
+    servers = [start_server(tiny_model_dir, tmp_path) for _ in range(2)]
+    try:
+        asyncio.run(_run(servers, tiny_model_dir, tmp_path))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _run(servers, model: Path, tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as http:
+        collector = Collector(EndpointsSource(FakeSlices([s.port for s in servers]), http, timeout_s=10), 3600)
+        pools = ("unified",)
+        # Phase 1 (lifetime history the window must not count), then a baseline scrape.
+        await asyncio.to_thread(lambda: [load(s.url, model, tmp_path, f"p1-{i}", 16) for i, s in enumerate(servers)])
+        await collector.collect("ns", "svc", pools, now=0.0)
+        # Phase 2 on both servers at once, sampling gauges while it runs.
+        results: dict[int, dict] = {}
+
+        def phase2(i: int, url: str) -> None:
+            results[i] = load(url, model, tmp_path, f"p2-{i}", 96)
+
+        threads = [threading.Thread(target=phase2, args=(i, s.url)) for i, s in enumerate(servers)]
+        for thread in threads:
+            thread.start()
+        busy = []
+        t = 1.0
+        while any(thread.is_alive() for thread in threads):
+            await collector.collect("ns", "svc", pools, now=t)
+            snap = collector.snapshots("ns", "svc", pools)["unified"]
+            busy.append((snap.kv_cache_usage or 0.0, snap.num_running or 0.0))
+            t += 1.0
+            await asyncio.sleep(0.2)
+        for thread in threads:
+            thread.join()
+        await collector.collect("ns", "svc", pools, now=t + 1.0)
+    snap = collector.snapshots("ns", "svc", pools)["unified"]
+
+    assert snap.num_pods_scraped == 2 and snap.num_pods_failed == 0
+    assert snap.num_requests == 2 * NUM_PROMPTS  # phase 2 only: deltas, not lifetime counts
+    assert max(kv for kv, _ in busy) > 0.0 and max(run for _, run in busy) >= 1
+    client_ttfts = sorted(r["ttft"] for res in results.values() for r in res["requests"] if r["ok"])
+    client_p95 = client_ttfts[math.ceil(0.95 * len(client_ttfts)) - 1]
+    # Server-side TTFT excludes the client's HTTP overhead; the histogram can only place it in a bucket.
+    assert 0.0 < snap.ttft_p95_s <= max(client_ttfts) * 2.5 + 0.1, (snap.ttft_p95_s, client_ttfts)
+    assert snap.ttft_p95_s >= min(client_ttfts) * 0.2, (snap.ttft_p95_s, client_p95)
+    client_itls = sorted(x for res in results.values() for r in res["requests"] for x in r["itl"])
+    assert snap.itl_p95_s is not None and 0.0 < snap.itl_p95_s <= max(client_itls) * 2.5 + 0.05
+    assert snap.kv_cache_usage == 0.0 and snap.num_running == 0  # idle again at the last scrape
