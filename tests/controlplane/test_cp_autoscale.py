@@ -1,0 +1,279 @@
+"""The autoscaler on the real control plane, fed synthetic engine metrics (KWOK pods serve nothing).
+
+A feed server in the test process plays the pods' `/metrics`: for each pool it returns one
+Prometheus block per Ready pod of that pool (so data is complete exactly when real scrapes would
+be) plus a router block with held requests; the operator reads it through
+TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE. Checked: pools scale up and down; with KWOK's 2 x 8 GPUs
+the pool hits ScalingLimited instead of running away; scale to zero after idleSeconds and back
+on held requests; advisory mode changes nothing but status and Events.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from test_cp_operator_support import (
+    NodeLeaseKeeper,
+    OperatorProcess,
+    condition,
+    free_port,
+    get_isvc,
+    install_crd,
+    operator_identity,
+    pod_is_ready,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, float("inf"))
+
+
+def histogram(name: str, count: int, value: float) -> list[str]:
+    lines = [f"# TYPE {name} histogram"]
+    for le in TTFT_BUCKETS:
+        label = "+Inf" if le == float("inf") else repr(le)
+        lines.append(f'{name}_bucket{{model_name="m",le="{label}"}} {count if value <= le else 0}')
+    lines += [f'{name}_count{{model_name="m"}} {count}', f'{name}_sum{{model_name="m"}} {count * value}']
+    return lines
+
+
+class Feed:
+    """Per-pool synthetic load; counters grow by `requests` per scrape of each pod while active."""
+
+    def __init__(self, cluster) -> None:
+        self.core = client.CoreV1Api(cluster.api_client())
+        self.load: dict[str, dict[str, float]] = {}
+        self.held: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def set(self, pool: str, kv: float = 0.0, requests: int = 0, ttft: float = 0.1) -> None:
+        with self.lock:
+            self.load[pool] = {"kv": kv, "requests": requests, "ttft": ttft}
+
+    def body(self, namespace: str, name: str, pool: str) -> str:
+        selector = f"tidepool.dev/inferenceservice={name},tidepool.dev/pool={pool}"
+        ready = [p for p in self.core.list_namespaced_pod(namespace, label_selector=selector).items if _ready(p)]
+        blocks = []
+        with self.lock:
+            load = self.load.get(pool, {"kv": 0.0, "requests": 0, "ttft": 0.1})
+            for pod in ready:
+                key = pod.metadata.name
+                self.counts[key] = self.counts.get(key, 0) + int(load["requests"])
+                lines = [
+                    f"# pod: {key}",
+                    f'vllm:kv_cache_usage_perc{{model_name="m"}} {load["kv"]}',
+                    'vllm:num_requests_waiting{model_name="m"} 0',
+                    f'vllm:num_requests_running{{model_name="m"}} {1 if load["requests"] else 0}',
+                    *histogram("vllm:time_to_first_token_seconds", self.counts[key], load["ttft"]),
+                ]
+                blocks.append("\n".join(lines))
+            blocks.append(f'# pod: router-0\ntidepool_router_held_requests{{pool="{pool}"}} {self.held.get(pool, 0)}')
+        return "\n".join(blocks) + "\n"
+
+
+def _ready(pod) -> bool:
+    return pod.status.phase == "Running" and any(
+        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+    )
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("autoscale-identity"))
+
+
+@pytest.fixture
+def feed(control_plane):
+    feed = Feed(control_plane)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            _, namespace, name, pool = self.path.split("/")
+            data = feed.body(namespace, name, pool).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    feed.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield feed
+    server.shutdown()
+
+
+@pytest.fixture
+def operator(control_plane, cp_namespace, identity, feed, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE", feed.url + "/{namespace}/{name}/{pool}")
+    monkeypatch.setenv("TIDEPOOL_AUTOSCALE_INTERVAL", "1")
+    monkeypatch.setenv("TIDEPOOL_AUTOSCALE_WINDOW", "5")
+    monkeypatch.setenv("TIDEPOOL_OPERATOR_METRICS_PORT", str(free_port()))
+    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    forbidden = op.forbidden_lines()
+    assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
+
+
+def isvc(name: str, autoscaling: dict[str, Any], pool: dict[str, int], gpus: int = 4) -> dict[str, Any]:
+    return {
+        "apiVersion": "tidepool.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"uri": "hf://org/model"},
+            "resources": {"gpusPerReplica": gpus, "cpu": "1", "memory": "1Gi"},
+            "mode": "unified",
+            "pools": {"unified": pool},
+            "router": {"replicas": 1},
+            "autoscaling": {"enabled": True, "stabilization": {"upSeconds": 0, "downSeconds": 0}, **autoscaling},
+        },
+    }
+
+
+def deployment_replicas(cluster, namespace: str, name: str) -> int | None:
+    apps = client.AppsV1Api(cluster.api_client())
+    try:
+        return apps.read_namespaced_deployment(f"{name}-unified", namespace).spec.replicas
+    except client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def autoscaling_status(cluster, namespace: str, name: str) -> dict[str, Any]:
+    return ((get_isvc(cluster, namespace, name) or {}).get("status") or {}).get("autoscaling") or {}
+
+
+def events_of(cluster, namespace: str, name: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl(
+        "get", "events", "-n", namespace, "-o", "json",
+        "--field-selector", f"involvedObject.kind=InferenceService,involvedObject.name={name}",
+    )  # fmt: skip
+    return json.loads(out.stdout)["items"]
+
+
+def apply(cluster, namespace: str, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
+
+
+def test_scales_up_hits_scaling_limited_and_scales_down(control_plane, cp_namespace, operator, feed):
+    name = "grow"
+    feed.set("unified", kv=0.9, requests=5)
+    apply(
+        control_plane,
+        cp_namespace,
+        isvc(name, {"kvCacheTarget": 0.5}, {"replicas": 1, "minReplicas": 1, "maxReplicas": 12}),
+    )
+    # 2 KWOK nodes x 8 GPUs at 4 GPUs per replica: 4 replicas fit, the rest stays Pending.
+    limited = wait_until(
+        lambda: (
+            (c := condition(get_isvc(control_plane, cp_namespace, name), "ScalingLimited"))
+            and c["status"] == "True"
+            and c
+        ),
+        180,
+        "ScalingLimited=True",
+    )
+    assert "nvidia.com/gpu" in limited["message"] or "unschedulable" in limited["message"], limited
+    ceiling = deployment_replicas(control_plane, cp_namespace, name)
+    assert 4 < ceiling < 12
+    status = autoscaling_status(control_plane, cp_namespace, name)
+    assert status["mode"] == "active" and status["lastScaleTime"] and "kv_cache 0.90" in status["lastDecision"]
+    assert "unschedulable" in status["lastDecision"]
+    # No runaway while pods cannot be scheduled.
+    wait_until(
+        lambda: "limited" in autoscaling_status(control_plane, cp_namespace, name)["lastDecision"],
+        30,
+        "another limited decision",
+    )
+    assert deployment_replicas(control_plane, cp_namespace, name) == ceiling
+
+    feed.set("unified", kv=0.05, requests=5)
+    wait_until(lambda: deployment_replicas(control_plane, cp_namespace, name) == 1, 120, "scale down to minReplicas 1")
+    wait_until(
+        lambda: (
+            (c := condition(get_isvc(control_plane, cp_namespace, name), "ScalingLimited")) and c["status"] == "False"
+        ),
+        120,
+        "ScalingLimited=False",
+    )
+    reasons = [e["reason"] for e in events_of(control_plane, cp_namespace, name)]
+    assert "Scaled" in reasons
+
+
+def test_scale_to_zero_and_back_on_held_requests(control_plane, cp_namespace, operator, feed):
+    name = "idle"
+    feed.set("unified", kv=0.0, requests=0)
+    spec = isvc(
+        name,
+        {"scaleToZero": {"enabled": True, "idleSeconds": 30}},
+        {"replicas": 1, "minReplicas": 0, "maxReplicas": 3},
+        gpus=1,
+    )
+    apply(control_plane, cp_namespace, spec)
+    wait_until(
+        lambda: deployment_replicas(control_plane, cp_namespace, name) == 0, 150, "scale to zero after idleSeconds"
+    )
+    assert "idleSeconds 30" in autoscaling_status(control_plane, cp_namespace, name)["lastDecision"]
+    feed.held["unified"] = 2
+    wait_until(lambda: (deployment_replicas(control_plane, cp_namespace, name) or 0) >= 1, 60, "scale up from zero")
+    assert "router holds requests" in autoscaling_status(control_plane, cp_namespace, name)["lastDecision"]
+    core = client.CoreV1Api(control_plane.api_client())
+    selector = f"tidepool.dev/inferenceservice={name},tidepool.dev/pool=unified"
+    wait_until(
+        lambda: any(pod_is_ready(p.to_dict() | {"status": {"phase": p.status.phase, "conditions": [
+            {"type": c.type, "status": c.status} for c in p.status.conditions or []]}})
+            for p in core.list_namespaced_pod(cp_namespace, label_selector=selector).items),
+        90,
+        "a Ready pod after waking",
+    )  # fmt: skip
+
+
+def test_advisory_changes_only_status(control_plane, cp_namespace, operator, feed):
+    name = "advice"
+    feed.set("unified", kv=0.95, requests=5)
+    apply(
+        control_plane,
+        cp_namespace,
+        isvc(
+            name,
+            {"mode": "advisory", "kvCacheTarget": 0.5},
+            {"replicas": 1, "minReplicas": 1, "maxReplicas": 6},
+            gpus=1,
+        ),
+    )
+    status = wait_until(
+        lambda: (
+            (s := autoscaling_status(control_plane, cp_namespace, name))
+            and s.get("pools", {}).get("unified", {}).get("desiredReplicas", 0) >= 2
+            and s
+        ),
+        120,
+        "an advisory decision to scale up",
+    )
+    assert status["mode"] == "advisory" and status["lastDecision"].startswith("advisory (not applied)")
+    assert not status.get("lastScaleTime")
+    wait_until(
+        lambda: any(e["reason"] == "AdvisoryScale" for e in events_of(control_plane, cp_namespace, name)),
+        30,
+        "an AdvisoryScale Event",
+    )
+    assert deployment_replicas(control_plane, cp_namespace, name) == 1
+    assert get_isvc(control_plane, cp_namespace, name)["spec"]["pools"]["unified"]["replicas"] == 1
