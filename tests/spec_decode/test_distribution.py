@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from spec_helpers import SMALL_VOCAB, chi_square_p_value, perturbed_copy
 
-from conftest import SMALL_VOCAB, chi_square_p_value, perturbed_copy
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.spec_decode import rejection_sampler
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_helpers import chi_square_p_value
 
-from conftest import chi_square_p_value
 from tidepool.engine.spec_decode import rejection_sampler
 from tidepool.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 
