@@ -20,9 +20,11 @@ on a CPU-only machine the engine never imports a kernel module.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from .int4_packing import dequantize_int4
+from .int4_packing import check_int4_shapes, dequantize_int4
 
 
 def int8_linear(
@@ -54,9 +56,41 @@ def int4_linear(
 
         y2 = int4_matmul(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size)
         y = y2.view(*x.shape[:-1], qweight.shape[1])
+    elif sys.byteorder == "little":
+        y = _int4_matmul_cpu(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size)
+        y = y.view(*x.shape[:-1], qweight.shape[1])
     else:
         y = x @ dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype)
     return y if bias is None else y + bias
+
+
+def _int4_matmul_cpu(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """CPU int4 matmul ``x [M, K]`` without materialising the dequantized weight.
+
+    Integer shifts/masks are slow elementwise ops on CPU; instead each packed int32 is read as its
+    four little-endian bytes (byte j of word r holds rows 8r+2j (low nibble) and 8r+2j+1 (high)),
+    converted to float once and split with float ops: ``high = floor(b / 16)``, ``low = b - 16 * high``
+    (in place; folding ``low`` away algebraically would cancel badly in bfloat16).
+    Scales and zeros are applied per group to the small partial products:
+    ``y = sum_g s_g * (x_g @ q_g) - (sum_g x_g) @ (s * z)``.
+    """
+    k = check_int4_shapes(qweight, scales, zeros, group_size)
+    n = qweight.shape[1]
+    num_groups, rows = k // group_size, group_size // 2
+    # [K/8, 4, N] in float: byte j of every word, laid out so each group is one [rows, N] matrix.
+    packed = qweight.view(torch.uint8).view(k // 8, n, 4).permute(0, 2, 1)
+    both = packed.to(x.dtype, memory_format=torch.contiguous_format).view(num_groups, rows, n)
+    high = torch.div(both, 16, rounding_mode="floor")
+    low = both.sub_(high, alpha=16)
+    xv = x.reshape(-1, k // 8, 4, 2)
+    x_low = xv[..., 0].reshape(-1, num_groups, rows).transpose(0, 1)  # [G, M, rows]
+    x_high = xv[..., 1].reshape(-1, num_groups, rows).transpose(0, 1)
+    partial = torch.baddbmm(torch.bmm(x_low, low), x_high, high)  # [G, M, N]: x_g @ q_g
+    scales = scales.to(x.dtype)
+    y = (partial * scales.unsqueeze(1)).sum(dim=0)
+    return y - x.reshape(-1, num_groups, group_size).sum(dim=-1) @ (scales * zeros.to(x.dtype))
 
 
 def store_kv(
