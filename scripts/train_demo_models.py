@@ -73,10 +73,12 @@ class TrainSpec:
     warmup_steps: int = 40
 
 
-# Sized for about 30 minutes on 2 idle CPU cores (fp32, AVX2): ~6 s/step for the target, ~1 s/step
-# for the draft at 4096 tokens per step (measured under contention: 11-14 s and 1.7 s).
-TARGET = TrainSpec("demo-target", 512, 6, 8, 4, 1408, False, 200, 2e-3, 16, 256, 1, warmup_steps=20)
-DRAFT = TrainSpec("demo-draft", 256, 4, 4, 2, 768, True, 400, 3e-3, 16, 256, 2, warmup_steps=30)
+# Sized for about 30 minutes on 2 idle CPU cores (fp32, AVX2, 2 threads), extrapolated from runs on a
+# loaded machine: the 28M-parameter variant of the target took 14 s/step and the draft 1.7 s/step at
+# load ~3 (about 1.3 cores to spare), so ~8 s and ~1.2 s idle at 4096 tokens/step: 160 steps (~21 min)
+# + 320 steps (~6.5 min) + ~1 min for the corpus and tokenizer.
+TARGET = TrainSpec("demo-target", 512, 6, 8, 4, 1408, False, 160, 2e-3, 16, 256, 1, warmup_steps=20)
+DRAFT = TrainSpec("demo-draft", 256, 4, 4, 2, 768, True, 320, 3e-3, 16, 256, 2, warmup_steps=30)
 
 
 def corpus_files(stdlib: Path) -> list[Path]:
