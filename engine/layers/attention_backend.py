@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from ...kernels import dispatch
 from .attention_metadata import AttentionMetadata
 
+MAX_KERNEL_HEAD_DIM = 256  # the Triton kernels hold a head row in registers; larger heads take the SDPA path
+
 
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
@@ -41,7 +43,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (this step's tokens) -> [T, Hq, D]."""
-    if q.is_cuda and meta.block_tables is not None and meta.seq_lens is not None and meta.cu_seqlens_q is not None:
+    has_views = meta.block_tables is not None and meta.seq_lens is not None and meta.cu_seqlens_q is not None
+    if q.is_cuda and has_views and q.shape[-1] <= MAX_KERNEL_HEAD_DIM:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
