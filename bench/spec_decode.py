@@ -132,6 +132,10 @@ def main() -> int:
         draft = layer_draft(target, cache_dir() / "models" / "llama-small-seed0-layer0-draft")
         note = RANDOM_NOTE
         print(f"note: demo pair not found under {models}; using {target} and its first layer as draft ({note})")
+    if note is None and "tidepool_demo" not in json.loads((target / "config.json").read_text()):
+        note = f"not the trained demo pair; if these are {RANDOM_NOTE}"
+    if note:
+        print(f"note: {note}")
     if args.quick:
         args.max_tokens = 32
 
