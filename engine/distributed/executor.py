@@ -43,7 +43,7 @@ from ..engine_config import EngineConfig, ResolvedConfig
 from ..layers.attention_metadata import AttentionMetadata
 from . import comm
 from .launch import free_port, spawn_workers, stop_processes
-from .parallel_state import DIST_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
+from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
 from .tp import check_tp, local_kv_heads
 from .worker import load_stage
@@ -140,13 +140,13 @@ class MultiprocExecutor:
         port = parallel.master_port or free_port()
         workers.procs = spawn_workers(config, parallel, 0, addr, port)
         world = parallel.world_size
-        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
         workers.server = socket.create_server(("" if parallel.nnodes > 1 else "127.0.0.1", 0))
         key = secrets.token_bytes(32)
         store.set(comm.STORE_KEY_SECRET, key)
         store.set(comm.STORE_KEY_ADDRESS, f"{addr}:{workers.server.getsockname()[1]}")
-        deadline = time.monotonic() + DIST_TIMEOUT_S
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         while len(workers.conns) < world - 1:
             self._check_started(deadline)
             try:
@@ -161,7 +161,7 @@ class MultiprocExecutor:
             logger.info("rank %d joined from %s (pid %d)", rank, host, pid)
         return init_groups(store, self.info, self.device)
 
-    def _check_started(self, deadline: float) -> None:
+    def _check_started(self, deadline: float = float("inf")) -> None:
         for rank, proc in self._workers.procs.items():
             if proc.exitcode is not None:
                 raise WorkerFailedError(
@@ -170,15 +170,15 @@ class MultiprocExecutor:
         if time.monotonic() > deadline:
             missing = sorted(set(range(1, self.parallel.world_size)) - set(self._workers.conns))
             raise WorkerFailedError(
-                f"ranks {missing} did not join within {DIST_TIMEOUT_S:.0f} s; check that every node runs "
+                f"ranks {missing} did not join within {JOIN_TIMEOUT_S:.0f} s; check that every node runs "
                 f"`tidepool serve --node-rank R` with the same --master-addr/--master-port"
             )
 
     def _wait_ready(self) -> None:
+        # No deadline: loading a large shard takes as long as it takes; a dead rank is noticed at once.
         waiting = dict(self._workers.conns)
-        deadline = time.monotonic() + DIST_TIMEOUT_S
         while waiting:
-            self._check_started(deadline)
+            self._check_started()
             for conn in wait(list(waiting.values()), timeout=1.0):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 try:

@@ -21,7 +21,7 @@ from .worker import WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT_S = 10.0
+_STOP_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:
@@ -52,7 +52,7 @@ def spawn_workers(
     return procs
 
 
-def stop_processes(procs: dict[int, BaseProcess], timeout: float = _JOIN_TIMEOUT_S) -> None:
+def stop_processes(procs: dict[int, BaseProcess], timeout: float = _STOP_TIMEOUT_S) -> None:
     """Join, then terminate, then kill whatever is left: never leave an orphan behind."""
     for proc in procs.values():
         proc.join(timeout)

@@ -28,6 +28,8 @@ DEFAULT_MASTER_PORT = 29500
 # Collectives only run inside a step (idle waits happen on the control channel, which has no
 # timeout), so this bounds one step's communication, not the engine's idle time.
 DIST_TIMEOUT_S = float(os.environ.get("TIDEPOOL_DIST_TIMEOUT_S", "300"))
+# How long ranks wait for each other to start (other nodes' pods may still be pulling images).
+JOIN_TIMEOUT_S = float(os.environ.get("TIDEPOOL_DIST_JOIN_TIMEOUT_S", "1800"))
 
 
 @dataclass(slots=True, frozen=True)

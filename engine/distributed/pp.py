@@ -4,7 +4,8 @@
 the embedding on the first stage, the final norm and LM head on the last; the rest of the
 loaded model is dropped. Its `forward` runs one scheduled step:
 
-- The step's sequences are split into up to `num_micro_batches` contiguous groups balanced by
+- The step's sequences are split into up to `num_micro_batches` (default pp; the environment
+  variable TIDEPOOL_PP_MICRO_BATCHES overrides it, identically on every node) contiguous groups balanced by
   tokens (`split_micro_batches`; a sequence is never cut, so each group's attention metadata
   is the step's metadata restricted and re-based). Stage s receives micro-batch i from stage
   s-1 (hidden and residual stacked in one [2, tokens, hidden] message), runs its layers, sends

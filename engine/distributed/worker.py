@@ -39,7 +39,7 @@ from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
 from ..models.loader import load_model
 from . import comm
-from .parallel_state import DIST_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
+from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
 from .tp import check_tp, local_kv_heads
 
@@ -133,10 +133,10 @@ class _Worker:
 
     def run(self) -> None:
         args, info = self.args, self.info
-        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         store = dist.TCPStore(args.master_addr, args.master_port, info.tp_size * info.pp_size, False, timeout)
         address = store.get(comm.STORE_KEY_ADDRESS).decode()
-        self.conn = comm.connect(address, store.get(comm.STORE_KEY_SECRET), DIST_TIMEOUT_S)
+        self.conn = comm.connect(address, store.get(comm.STORE_KEY_SECRET), JOIN_TIMEOUT_S)
         comm.send(self.conn, ("hello", args.rank, os.getpid(), socket.gethostname()))
         config = args.engine
         rc = resolve(config, ModelConfig.from_pretrained(config.model))
