@@ -21,8 +21,9 @@ How a pool's replicas are chosen, in order:
 5. Missing data: a pool whose ready pods did not all answer never shrinks.
 6. prefill:decode ratio kept within [pd_ratio_min, pd_ratio_max] by growing the smaller
    side (or, when it cannot grow, trimming the other side's growth).
-7. Zero: after `idle_seconds` without any request (complete data) every pool goes to 0; from
-   0, a pool whose router holds requests goes to max(minReplicas, 1), and so do the others.
+7. Zero: only after `idle_seconds` without any request (complete data) does every pool go to 0
+   (utilization never takes a running pool below 1, even with minReplicas 0); from 0, a pool
+   whose router holds requests goes to max(minReplicas, 1), and so do the others.
 8. Advisory: the decision is reported, `replicas` stays the current replicas.
 
 Invariants (property-tested in tests/autoscaler): desired within [min, max] (or 0 when scaled to
@@ -105,7 +106,9 @@ def decide(
         value = min(max(value, cur - down_step), cur + up_step)
         if value > bounds.max_replicas:
             limited[name] = f"load wants {value} replicas; capped at maxReplicas {bounds.max_replicas}"
-        value = min(max(value, bounds.min_replicas), bounds.max_replicas)
+        # Only the idle rule (step 7) takes a running pool to zero, even when minReplicas is 0.
+        floor = max(bounds.min_replicas, 1) if cur > 0 else bounds.min_replicas
+        value = min(max(value, floor), bounds.max_replicas)
         if state.num_unschedulable > 0:
             detail = f": {state.unschedulable_message}" if state.unschedulable_message else ""
             limited[name] = f"{state.num_unschedulable} pod(s) unschedulable{detail}; not scaling up"

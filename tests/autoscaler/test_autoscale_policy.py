@@ -178,6 +178,13 @@ CASES = [
         history=History(last_active_time=600.0),
     ),
     Case(
+        "minReplicas 0: low load alone never reaches zero (only idleSeconds does)",
+        unified_config(scale_to_zero=True, idle_seconds=600, pools={"unified": PoolBounds(0, 9)}),
+        {"unified": snap(2, kv_cache_usage=0.0, num_running=0.0)},
+        {"unified": state(2)},
+        {"unified": 1},
+    ),
+    Case(
         "held requests wake a pool at zero",
         unified_config(scale_to_zero=True, pools={"unified": PoolBounds(2, 9)}),
         {"unified": PoolSnapshot(held_requests=3)},

@@ -99,6 +99,9 @@ def test_never_outside_min_max(scenario):
     decision = decide(config, snaps, current, history, NOW)
     for name, pool in decision.pools.items():
         bounds = config.pools[name]
+        if pool.desired == 0 and pool.current > 0:  # only the idle rule goes to zero
+            assert config.scale_to_zero and "idleSeconds" in decision.reason, decision.reason
+            continue
         if pool.desired == 0 and config.scale_to_zero:
             continue
         assert bounds.min_replicas <= pool.desired <= bounds.max_replicas, decision.reason
@@ -240,3 +243,38 @@ def test_constant_load_settles_without_flapping(load, start, latency_scale, up_s
     diffs = [b - a for a, b in itertools.pairwise(seen) if b != a]
     assert all(x > 0 for x in diffs) or all(x < 0 for x in diffs), seen
     assert len(set(seen[-20:])) == 1, seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.integers(1, 20),
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 0.5),
+    st.floats(50.0, 300.0),
+    st.floats(0.0, 2000.0),
+    st.booleans(),
+)
+def test_only_the_idle_rule_reaches_zero(replicas, kv, waiting, step_pct, idle_for, has_requests):
+    config = AutoscaleConfig(
+        pools={"unified": PoolBounds(0, 20)},
+        kv_cache_target=0.8,
+        scale_to_zero=True,
+        idle_seconds=600.0,
+        down_seconds=0.0,
+        max_step_percent=step_pct,
+    )
+    snap = PoolSnapshot(
+        num_requests=10.0 if has_requests else 0.0,
+        kv_cache_usage=kv,
+        num_waiting=waiting,
+        num_running=0.0,
+        num_pods_scraped=replicas,
+        window_s=60.0,
+    )
+    history = History(last_active_time=NOW - idle_for)
+    decision = decide(config, {"unified": snap}, {"unified": PoolState(replicas)}, history, NOW)
+    is_idle = not has_requests and not waiting and not kv and idle_for >= 600.0
+    if decision.desired["unified"] == 0:
+        assert not has_requests and idle_for >= 600.0, decision.reason
+    elif is_idle:
+        raise AssertionError(f"idle for {idle_for}s but not scaled to zero: {decision.reason}")

@@ -139,6 +139,7 @@ def isvc(name: str, autoscaling: dict[str, Any], pool: dict[str, int], gpus: int
         "spec": {
             "model": {"uri": "hf://org/model"},
             "resources": {"gpusPerReplica": gpus, "cpu": "1", "memory": "1Gi"},
+            "parallelism": {"tensor": gpus, "pipeline": 1},
             "mode": "unified",
             "pools": {"unified": pool},
             "router": {"replicas": 1},
