@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,17 @@ def test_quantized_weight_refuses_other_ops(quantized_dirs: dict[str, Path]) -> 
     model, _ = load_model(quantized_dirs["int8"], show_progress=False)
     with pytest.raises(TypeError, match=r"only supports F\.linear"):
         torch.matmul(torch.ones(2, 64), model.layers[0].self_attn.o_weight)
+
+
+@pytest.mark.parametrize(("method", "max_rel_err"), [("int8", 0.05), ("int4", 0.4)])
+def test_qkv_bias_and_tied_embeddings_survive_quantization(
+    method: str, max_rel_err: float, hf_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    src = hf_model_dir("qwen2-tied")  # non-zero q/k/v biases, tied embeddings, intermediate 160
+    out = quantize_folder(src, tmp_path / method, method, group_size=32)
+    dense, _ = load_model(src, show_progress=False)
+    quant, _ = load_model(out, show_progress=False)
+    assert quant.layers[0].self_attn.qkv_bias is not None
+    torch.testing.assert_close(quant.layers[0].self_attn.qkv_bias, dense.layers[0].self_attn.qkv_bias)
+    ref, got = prefill_logits(dense, PROMPT), prefill_logits(quant, PROMPT)
+    assert 0 < float((got - ref).norm() / ref.norm()) < max_rel_err
