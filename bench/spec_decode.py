@@ -4,8 +4,9 @@ Two workloads, greedy, one request at a time (bs=1):
 - input-grounded ("edit this code"): a Python standard-library function, then a comment asking for
   it again with a small change, then its first line: the continuation mostly repeats the input;
 - free generation: the opening line of a function or docstring, continued freely.
-Each configuration runs the same prompts; the greedy token ids must be identical to the run without
-speculation (asserted). Printed per workload: tokens/s, speedup (ratio against no speculation in the
+Each configuration runs the same prompts, interleaved (prompt by prompt, method by method, `--repeats`
+rounds) so load drift on a shared machine hits all alike; the greedy token ids must be identical to
+the run without speculation (asserted). Printed per workload: tokens/s, speedup (ratio against no speculation in the
 same run), acceptance rate (accepted / proposed tokens) and mean tokens per target step.
 
 Models: the trained demo pair (`scripts/train_demo_models.py`, in ~/.cache/tidepool/models/demo-target and
@@ -75,7 +76,7 @@ def layer_draft(target: Path, out: Path, num_layers: int = 1) -> Path:
     return out
 
 
-def run(target: Path, speculative: dict[str, Any] | None, work: dict[str, list[list[int]]], args: Any) -> dict:
+def build(target: Path, speculative: dict[str, Any] | None, args: Any) -> Any:
     from tidepool.engine import LLM, SamplingParams
 
     llm = LLM(
@@ -86,30 +87,49 @@ def run(target: Path, speculative: dict[str, Any] | None, work: dict[str, list[l
         show_progress=False,
         speculative=speculative,
     )
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    return llm
+
+
+def run_interleaved(llms: dict[str, Any], work: dict[str, list[list[int]]], args: Any) -> dict[str, dict]:
+    """Every prompt runs under every method back to back (bs=1), `--repeats` times: on a shared machine
+    the load then drifts over all methods alike, so the ratios stay fair."""
+    from tidepool.engine import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate([work["free"][0]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    result: dict[str, Any] = {}
-    for name, prompt_list in work.items():
-        spec = llm.engine.speculator
-        before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verified_seqs) if spec else (0, 0, 0)
-        tokens, seconds = [], 0.0
-        for prompt in prompt_list:  # bs=1: one request at a time
-            start = time.perf_counter()
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
-            seconds += time.perf_counter() - start
-            tokens.append(out.outputs[0].token_ids)
-        num_tokens = sum(len(t) for t in tokens)
-        entry: dict[str, Any] = {"seconds": seconds, "tokens": num_tokens, "tokens_per_s": num_tokens / seconds}
-        if spec:
-            draft = spec.num_draft_tokens - before[0]
-            accepted = spec.num_accepted_tokens - before[1]
-            steps = spec.num_verified_seqs - before[2]
-            entry["acceptance_rate"] = accepted / draft if draft else 0.0
-            entry["tokens_per_verify_step"] = (accepted + steps) / steps if steps else 1.0
-        entry["token_ids"] = tokens
-        result[name] = entry
-    del llm
-    return result
+    results: dict[str, dict] = {name: {} for name in llms}
+    for workload, prompt_list in work.items():
+        totals = {name: {"seconds": 0.0, "tokens": 0, "draft": 0, "accepted": 0, "steps": 0} for name in llms}
+        token_ids: dict[str, list[list[int]]] = {name: [] for name in llms}
+        for repeat in range(args.repeats):
+            for prompt in prompt_list:
+                for name, llm in llms.items():
+                    spec = llm.engine.speculator
+                    before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_verified_seqs) if spec else None
+                    start = time.perf_counter()
+                    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                    total = totals[name]
+                    total["seconds"] += time.perf_counter() - start
+                    total["tokens"] += len(out.token_ids)
+                    if spec and before:
+                        total["draft"] += spec.num_draft_tokens - before[0]
+                        total["accepted"] += spec.num_accepted_tokens - before[1]
+                        total["steps"] += spec.num_verified_seqs - before[2]
+                    if repeat == 0:
+                        token_ids[name].append(out.token_ids)
+        for name, total in totals.items():
+            entry: dict[str, Any] = {
+                "seconds": total["seconds"],
+                "tokens": total["tokens"],
+                "tokens_per_s": total["tokens"] / total["seconds"],
+                "token_ids": token_ids[name],
+            }
+            if llms[name].engine.speculator is not None:
+                steps = total["steps"]
+                entry["acceptance_rate"] = total["accepted"] / total["draft"] if total["draft"] else 0.0
+                entry["tokens_per_verify_step"] = (total["accepted"] + steps) / steps if steps else 1.0
+            results[name][workload] = entry
+    return results
 
 
 def main() -> int:
@@ -123,6 +143,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine is shared)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds over all prompts and methods")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench/results/spec_decode_<target>.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     note = None
@@ -137,7 +159,7 @@ def main() -> int:
     if note:
         print(f"note: {note}")
     if args.quick:
-        args.max_tokens = 32
+        args.max_tokens, args.repeats = 32, 1
 
     from tidepool.engine.tokenizer import Tokenizer
 
@@ -149,7 +171,8 @@ def main() -> int:
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
         "draft": {"method": "draft", "draft_model": str(draft), "num_speculative_tokens": args.k},
     }
-    results = {name: run(target, spec, work, args) for name, spec in configs.items()}
+    llms = {name: build(target, spec, args) for name, spec in configs.items()}
+    results = run_interleaved(llms, work, args)
     base = results["none"]
     print(f"\ntarget {target}\ndraft  {draft}\nK={args.k}, {args.max_tokens} tokens per request, bs=1, greedy")
     print(f"{'workload':<10} {'method':<6} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/step':>9}")
@@ -169,13 +192,15 @@ def main() -> int:
         for entry in res.values():
             entry.pop("token_ids")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"spec_decode_{target.name}.json"
+    out = args.out or RESULTS / f"spec_decode_{target.name}.json"
     payload = {
         "target": str(target),
         "draft": str(draft),
         "num_speculative_tokens": args.k,
         "max_tokens": args.max_tokens,
         "threads": args.threads,
+        "repeats": args.repeats,
+        "prompts_per_workload": {name: len(p) for name, p in work.items()},
         "note": note,
         "machine": platform.processor() or platform.machine(),
         "results": results,
