@@ -133,6 +133,7 @@ class StageModel(nn.Module):
         self.tp_group = tp_group
         self.num_micro_batches = num_micro_batches if info.pp_size > 1 else 1
         self.hidden_size = config.hidden_size
+        self.num_split_steps = 0  # steps that ran as more than one micro-batch (observability, tests)
         self.rotary = model.rotary
         self.layers = nn.ModuleList(model.layers[i] for i in layer_range)
         tp = info.tp_size
@@ -169,7 +170,9 @@ class StageModel(nn.Module):
         dtype = self.config.torch_dtype
         outputs: list[torch.Tensor] = []
         sends: list[tuple[dist.Work | None, torch.Tensor]] = []
-        for mb in split_micro_batches(meta, input_ids.shape[0], self.num_micro_batches):
+        micro_batches = split_micro_batches(meta, input_ids.shape[0], self.num_micro_batches)
+        self.num_split_steps += len(micro_batches) > 1
+        for mb in micro_batches:
             ids = input_ids[mb.token_start : mb.token_stop]
             num = ids.shape[0]
             if info.is_first_stage:

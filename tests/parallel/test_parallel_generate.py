@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,11 +88,14 @@ def test_tp2_matches_single_process_and_a_killed_worker_raises(parallel_llm: LLM
     assert k_cache.shape[2] == 1  # 2 kv heads over 2 ranks: one each
     assert len(parallel_llm.engine.runner.kv_caches) == 2
 
+    # Killed while the engine is stepping (a long generation), so death can land inside a step's collectives.
     worker = parallel_llm.engine.executor._workers.procs[1]
-    os.kill(worker.pid, signal.SIGKILL)
+    killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
+    long = [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)] * len(PROMPT_LENGTHS)
     start = time.monotonic()
+    killer.start()
     with pytest.raises(WorkerFailedError, match="rank 1"):
-        _generate(parallel_llm)
+        parallel_llm.generate(_prompts(), long, use_tqdm=False)
     assert time.monotonic() - start < 30
     worker.join(5)
     assert not worker.is_alive()
@@ -102,6 +106,7 @@ def test_tp2_matches_single_process_and_a_killed_worker_raises(parallel_llm: LLM
 @pytest.mark.parametrize("parallel_llm", [(2, 2)], indirect=True, ids=["tp2xpp2"])
 def test_tp2_pp2_matches_single_process(parallel_llm: LLM, reference: dict[str, Any]) -> None:
     _check_same_as_single(parallel_llm, reference)
+    assert parallel_llm.engine.model.stage.num_split_steps > 0  # micro-batches really went through the pipeline
     assert len(parallel_llm.engine.runner.kv_caches) == 1
     assert parallel_llm.engine.runner.kv_caches[0][0].shape[2] == 1
 
