@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from .quantize import METHODS, check_method, quantize_tensors
 
@@ -94,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     start = time.perf_counter()
     try:
-        with tqdm(total=1, desc=f"quantizing to {args.method}", disable=None) as bar:
-            out = quantize_folder(args.input, args.output, args.method, args.group_size)
-            bar.update(1)
+        out = quantize_folder(args.input, args.output, args.method, args.group_size)
     except (ValueError, FileNotFoundError) as err:
         print(f"tidepool quantize: error: {err}", file=sys.stderr)
         return 2

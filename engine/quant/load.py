@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,15 +150,21 @@ def load_quantized(
     model: nn.Module, files: list[Path], spec: QuantSpec, dtype: torch.dtype, show_progress: bool = True
 ) -> None:
     """Fill `model` (freshly built, dense parameters unset) from a quantized checkpoint."""
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        _load_quantized(model, handles, spec, dtype, show_progress)
+
+
+def _load_quantized(
+    model: nn.Module, handles: list[Any], spec: QuantSpec, dtype: torch.dtype, show_progress: bool
+) -> None:
     suffixes = _SUFFIXES[spec.kind]
-    key_file: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            key_file.update((key, file) for key in f.keys())  # noqa: SIM118 - safe_open handles are not dicts
+    key_file: dict[str, Any] = {}
+    for handle in handles:
+        key_file.update((key, handle) for key in handle.keys())  # noqa: SIM118 - safe_open handles are not dicts
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(str(key_file[key]), framework="pt") as f:
-            return f.get_tensor(key)
+        return key_file[key].get_tensor(key)
 
     quantized_keys: set[str] = set()
     swaps: dict[str, QuantizedWeight] = {}
@@ -183,7 +190,7 @@ def load_quantized(
     quantized_prefixes = {k.rsplit(".", 1)[0] for k in quantized_keys}
 
     def rest() -> Any:
-        for key in sorted(key_file, key=lambda k: (str(key_file[k]), k)):
+        for key in sorted(key_file):
             if key in quantized_keys:
                 continue
             tensor = read(key)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 import torch
+from tqdm.auto import tqdm
 
 from ...kernels.int4_packing import PACK_FACTOR, pack_int4
 
@@ -31,6 +32,7 @@ INT4_MAX = 15
 INT8_MAX = 127
 # Shrink ratios tried for each int4 group's [min, max]; 1.0 (plain min/max) is always a candidate.
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(13))  # 1.0 .. 0.7
+_PROGRESS_MIN_TENSORS = 64  # a bar only where quantizing takes long enough to wonder
 _PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
@@ -118,11 +120,10 @@ def quantize_tensors(
     if method == "int4":
         for name in names:  # validate every shape before doing any work
             check_group_size(group_size, tensors[name].shape[1], name)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name not in names:
-            out[name] = tensor
-            continue
+    targets = set(names)
+    out = {name: tensor for name, tensor in tensors.items() if name not in targets}
+    for name in tqdm(names, desc=f"quantizing to {method}", unit="tensor", disable=len(names) < _PROGRESS_MIN_TENSORS):
+        tensor = tensors[name]
         prefix = name.removesuffix(".weight")
         if method == "int8":
             out[f"{prefix}.qweight"], out[f"{prefix}.scales"] = quantize_int8(tensor, scale_dtype)
