@@ -7,6 +7,8 @@
   status current when pods come and go. A kopf timer needs a finalizer; ours is
   `tidepool.dev/finalizer`, released by kopf at once on deletion (there is no deletion work: the
   children are garbage-collected through their owner references).
+- a Deployment/StatefulSet event of one of ours: a status-only refresh of its InferenceService
+  (looked up in a kopf index of InferenceService bodies), so Ready follows pods without polling.
 - Events (create, scale, rollout, drift, errors) are posted with `kopf.event`.
 - kopf keeps its handler progress in annotations under `tidepool.dev/` (not in status, which the
   CRD schema prunes); no peering (`--standalone`), no cluster scanning (needs no CRD read access).
@@ -26,7 +28,7 @@ from typing import Any
 import kopf
 
 from tidepool.operator.api import GROUP, PLURAL, VERSION, now_rfc3339
-from tidepool.operator.builders import ClusterFeatures
+from tidepool.operator.builders import LABEL_SERVICE, MANAGED_BY, ClusterFeatures
 from tidepool.operator.k8s import ApiError, Credentials, KubeClient
 from tidepool.operator.reconcile import ReconcileResult, reconcile
 
@@ -70,7 +72,7 @@ class OperatorState:
         return self.features
 
 
-async def reconcile_object(body: Mapping[str, Any], memo: Any) -> ReconcileResult:
+async def reconcile_object(body: Mapping[str, Any], memo: Any, status_only: bool = False) -> ReconcileResult:
     """Reconcile one InferenceService body with the operator's state; posts the Events it yields."""
     state: OperatorState = memo.tidepool
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
@@ -81,6 +83,7 @@ async def reconcile_object(body: Mapping[str, Any], memo: Any) -> ReconcileResul
         now_rfc3339(),
         replicas_override=state.replicas_overrides.get(key),
         scaling_limit=state.scaling_limits.get(key),
+        status_only=status_only,
     )
     for type_, reason, message in result.events:
         kopf.event(dict(body), type=type_, reason=reason, message=message[:1000])
@@ -100,7 +103,8 @@ async def _handle(body: Mapping[str, Any], memo: Any, logger: logging.Logger, re
         logger.info("applied %s; pruned %s", result.applied or "nothing", result.pruned or "nothing")
     if not result.ready and retry < MAX_WAIT_RETRIES:
         ready = result.status.condition("Ready")
-        raise kopf.TemporaryError(f"not ready yet: {ready.message if ready else ''}", delay=min(2 + retry, 15))
+        # Child workload events refresh status as pods become ready; this retry is the fallback.
+        raise kopf.TemporaryError(f"not ready yet: {ready.message if ready else ''}", delay=min(5 + 2 * retry, 30))
 
 
 async def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
@@ -117,6 +121,25 @@ async def on_resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **
         return
     if result.applied or result.pruned:
         logger.info("resync re-applied %s; pruned %s", result.applied or "nothing", result.pruned or "nothing")
+
+
+def index_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict]:
+    """kopf index: (namespace, name) -> the latest InferenceService body, for child-event lookups."""
+    return {(namespace, name): {"metadata": dict(body.metadata), "spec": dict(body.spec), "status": dict(body.status)}}
+
+
+async def on_child_event(
+    body: kopf.Body, namespace: str, memo: kopf.Memo, logger: logging.Logger, services: kopf.Index, **_: Any
+) -> None:
+    """A Deployment/StatefulSet of ours changed: refresh its InferenceService's status (no apply)."""
+    owner = (body.metadata.labels or {}).get(LABEL_SERVICE)
+    for parent in services.get((namespace, owner), []) if owner else []:
+        if parent["metadata"].get("deletionTimestamp"):
+            continue
+        try:
+            await reconcile_object(parent, memo, status_only=True)
+        except ApiError as exc:
+            logger.warning("status refresh of %s failed: %s", owner, exc)
 
 
 def register(registry: kopf.OperatorRegistry, creds: Credentials, options: OperatorOptions) -> None:
@@ -159,5 +182,9 @@ def register(registry: kopf.OperatorRegistry, creds: Credentials, options: Opera
     kopf.on.create(*resource, registry=registry, id="create")(on_change)
     kopf.on.update(*resource, registry=registry, id="update", field="spec")(on_change)
     kopf.on.resume(*resource, registry=registry, id="resume")(on_change)
+    kopf.index(*resource, registry=registry, id="services")(index_services)
+    ours = {LABEL_SERVICE: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY}
+    for plural in ("deployments", "statefulsets"):
+        kopf.on.event("apps", "v1", plural, registry=registry, labels=ours, id=f"{plural}-status")(on_child_event)
     every = options.resync_seconds
     kopf.timer(*resource, registry=registry, id="resync", interval=every, initial_delay=every)(on_resync)

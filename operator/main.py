@@ -46,10 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value <= 0:
             print(f"tidepool operator: error: --{flag} must be > 0", file=sys.stderr)
             return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-
     import kopf
+
+    # kopf's formatter prefixes object messages with [namespace/name]; our level on top of it.
+    kopf.configure(log_format=kopf.LogFormat.FULL, log_prefix=True, debug=args.log_level == "DEBUG")
+    logging.getLogger().setLevel(args.log_level)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
     from tidepool.operator.autoscaler import handlers as autoscaler
     from tidepool.operator.handlers import OperatorOptions, register

@@ -11,7 +11,8 @@ status: pool counts and conditions from the workloads the API server returned, p
         when something is not ready; written as a merge patch of the status subresource, and
         only when it changed.
 
-Create, update, resume and the resync timer all call `reconcile()`; the autoscaler's seam is
+Create, update, resume and the resync timer all call `reconcile()`; a status change of a child
+workload calls it with `status_only=True` (read workloads, write status). The autoscaler's seam is
 `replicas_override` (replicas per pool) and `scaling_limit` (a ScalingLimited reason/message).
 No sleeps, no module-level state; the clock comes in as `now`.
 """
@@ -171,7 +172,10 @@ async def reconcile(
     now: str,
     replicas_override: Mapping[str, int] | None = None,
     scaling_limit: tuple[str, str] | None = None,
+    status_only: bool = False,
 ) -> ReconcileResult:
+    """Reconcile one InferenceService body. `status_only` reads only the workloads and writes status
+    (no apply, no prune): the cheap path taken when a child workload reports a status change."""
     meta = body["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
     generation = int(meta.get("generation", 1))
@@ -189,10 +193,15 @@ async def reconcile(
         await _write_status(client, namespace, name, previous, status)
         return ReconcileResult(status, False, [("Warning", "InvalidSpec", message)], [], [], permanent_error=message)
 
-    observed = await _observe(client, namespace, name, uid, managed_kinds(features))
-    todo = plan(desired, observed)
-    applied, apply_error = await _apply_all(client, todo.apply)
-    await asyncio.gather(*(client.delete(o) for o in todo.prune))
+    if status_only:
+        kinds = tuple(k for k in managed_kinds(features) if k in WORKLOAD_KINDS)
+        observed = await _observe(client, namespace, name, uid, kinds)
+        todo, applied, apply_error = Plan(), {}, None
+    else:
+        observed = await _observe(client, namespace, name, uid, managed_kinds(features))
+        todo = plan(desired, observed)
+        applied, apply_error = await _apply_all(client, todo.apply)
+        await asyncio.gather(*(client.delete(o) for o in todo.prune))
 
     current = {_key(o): o for o in observed}
     current.update(applied)

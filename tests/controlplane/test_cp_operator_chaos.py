@@ -68,7 +68,12 @@ def converged(cluster, namespace: str, live: dict[str, dict[str, Any]]) -> str |
                 return f"{name}: deleted but {'object' if obj else 'children'} remain ({sorted(mine)[:3]})"
             continue
         if not is_ready(obj):
-            return f"{name}: not Ready at its generation"
+            status = (obj or {}).get("status", {})
+            ready = next((c for c in status.get("conditions", []) if c["type"] == "Ready"), None)
+            gen = (obj or {}).get("metadata", {}).get("generation")
+            return (
+                f"{name}: not Ready at generation {gen}: observedGeneration {status.get('observedGeneration')}, {ready}"
+            )
         plan = planned(name, namespace, live[name])
         if set(mine) != set(plan):
             return f"{name}: children {sorted(set(mine) ^ set(plan))} differ from the plan"
@@ -95,13 +100,25 @@ def test_operator_killed_at_random_points_converges(control_plane, cp_namespace,
     op.start()
     try:
         for step in range(NUM_OPERATIONS):
-            name = rng.choice(NAMES)
+            # A name deleted while the operator was down stays Terminating (our finalizer) until it
+            # returns; applying it again would only edit the dying object, so it is not reused until gone.
+            def usable() -> list[str]:
+                return [n for n in NAMES if n in live or get_isvc(control_plane, cp_namespace, n) is None]
+
+            if not usable():  # every name is Terminating: only a running operator can release them
+                if not op.is_alive():
+                    op.start()
+                    log.append(f"{step}: operator restarted (all names terminating)")
+                wait_until(usable, 60, "a name to become free")
+            name = rng.choice(usable())
             if name not in live:
                 live[name] = small_spec(rng)
                 apply(control_plane, cp_namespace, name, live[name])
                 log.append(f"{step}: create {name}")
             elif rng.random() < 0.3:
-                control_plane.kubectl("delete", "inferenceservice", name, "-n", cp_namespace, "--wait=false")
+                control_plane.kubectl(
+                    "delete", "inferenceservice", name, "-n", cp_namespace, "--wait=false", "--ignore-not-found"
+                )
                 del live[name]
                 log.append(f"{step}: delete {name}")
             else:
