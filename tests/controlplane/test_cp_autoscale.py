@@ -148,10 +148,10 @@ def isvc(name: str, autoscaling: dict[str, Any], pool: dict[str, int], gpus: int
     }
 
 
-def deployment_replicas(cluster, namespace: str, name: str) -> int | None:
+def deployment_replicas(cluster, namespace: str, name: str, pool: str = "unified") -> int | None:
     apps = client.AppsV1Api(cluster.api_client())
     try:
-        return apps.read_namespaced_deployment(f"{name}-unified", namespace).spec.replicas
+        return apps.read_namespaced_deployment(f"{name}-{pool}", namespace).spec.replicas
     except client.ApiException as exc:
         if exc.status == 404:
             return None
@@ -278,3 +278,27 @@ def test_advisory_changes_only_status(control_plane, cp_namespace, operator, fee
     )
     assert deployment_replicas(control_plane, cp_namespace, name) == 1
     assert get_isvc(control_plane, cp_namespace, name)["spec"]["pools"]["unified"]["replicas"] == 1
+
+
+def test_disaggregated_pools_scale_separately(control_plane, cp_namespace, operator, feed):
+    name = "pd"
+    feed.set("prefill", ttft=2.5, requests=5)  # TTFT p95 5x the SLO: prefill must grow
+    feed.set("decode", kv=0.8, requests=5)  # decode exactly at its KV target: must stay
+    obj = isvc(name, {"slo": {"ttftP95Ms": 500, "itlP95Ms": 50}, "kvCacheTarget": 0.8}, {}, gpus=1)
+    obj["spec"]["mode"] = "disaggregated"
+    obj["spec"]["pools"] = {
+        "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 4},
+        "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 4},
+    }
+    apply(control_plane, cp_namespace, obj)
+    wait_until(
+        lambda: (deployment_replicas(control_plane, cp_namespace, name, "prefill") or 0) >= 2, 120, "prefill scaled up"
+    )
+    assert deployment_replicas(control_plane, cp_namespace, name, "decode") == 2
+    status = autoscaling_status(control_plane, cp_namespace, name)
+    assert "ttft_p95" in status["lastDecision"] and set(status["pools"]) == {"prefill", "decode"}
+
+    # The feed's per-pod gauges do not shrink as pods are added, so the load must go away to scale down.
+    feed.set("prefill", ttft=0.05, requests=0)
+    wait_until(lambda: deployment_replicas(control_plane, cp_namespace, name, "prefill") == 1, 120, "prefill back to 1")
+    assert deployment_replicas(control_plane, cp_namespace, name, "decode") == 2
