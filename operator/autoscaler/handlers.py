@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +62,23 @@ def _state(memo: Any) -> AutoscalerState:
     return state
 
 
-async def current_pools(client: Any, namespace: str, name: str, spec: dict, override: dict | None) -> dict:
-    """Replicas in force per pool (the seam's override, else the spec) and unschedulable pods."""
+async def current_pools(client: Any, namespace: str, name: str, body: Mapping[str, Any], override: dict | None) -> dict:
+    """Replicas in force per pool and unschedulable pods.
+
+    Replicas: the seam's override; after an operator restart (memo lost) the desiredReplicas the
+    reconcile recorded in status, so a scaled-up pool is not mistaken for its spec's replicas;
+    else the spec.
+    """
+    spec = body.get("spec") or {}
+    recorded = (body.get("status") or {}).get("pools") or {}
     pods = await client.list("Pod", namespace, f"{LABEL_SERVICE}={name}")
     states = {}
     for pool in pool_names(spec):
-        replicas = (override or {}).get(pool, ((spec.get("pools") or {}).get(pool) or {}).get("replicas", 1))
+        replicas = (override or {}).get(pool)
+        if replicas is None:
+            replicas = (recorded.get(pool) or {}).get("desiredReplicas")
+        if replicas is None:
+            replicas = ((spec.get("pools") or {}).get(pool) or {}).get("replicas", 1)
         stuck = [
             c.get("message", "")
             for p in pods
@@ -119,7 +131,7 @@ async def on_autoscale(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger,
     now = time.monotonic()
     await auto.collector.collect(namespace, name, pools, now)
     snapshots = auto.collector.snapshots(namespace, name, pools)
-    current = await current_pools(operator.client, namespace, name, spec, operator.replicas_overrides.get(key))
+    current = await current_pools(operator.client, namespace, name, body, operator.replicas_overrides.get(key))
     decision = decide(config, snapshots, current, auto.histories.get(key), now)
     auto.histories[key] = decision.history
     mode = "advisory" if decision.is_advisory else "active"

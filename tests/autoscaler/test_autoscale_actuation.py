@@ -244,3 +244,11 @@ def test_disabled_or_deleted_clears_the_seam(monkeypatch, body):
     )
     asyncio.run(handlers.on_autoscale(body=body, memo=memo, logger=None))
     assert memo.tidepool.replicas_overrides == {} and memo.tidepool.scaling_limits == {} and kube.patches == []
+
+
+def test_after_a_restart_current_replicas_come_from_status_not_spec(monkeypatch):
+    body = isvc()
+    body["status"] = {"pools": {"unified": {"replicas": 5, "readyReplicas": 5, "desiredReplicas": 5}}}
+    memo, _, events, _ = run_timer(body, kv=0.5, monkeypatch=monkeypatch, ticks=1)  # at target: hold
+    assert memo.tidepool.replicas_overrides[("ns", "svc")] == {"unified": 5}  # not the spec's 2
+    assert events == []
