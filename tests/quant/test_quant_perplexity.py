@@ -54,11 +54,15 @@ def _train(folder: Path, train_ids: torch.Tensor) -> None:
 
 @pytest.mark.slow
 def test_quantization_perplexity_cost_on_a_trained_model(tiny_model_dir: Path, tmp_path: Path) -> None:
-    torch.set_num_threads(1)
     folder = tmp_path / "trained"
     shutil.copytree(tiny_model_dir, folder)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    _train(folder, _stdlib_ids(tokenizer, 0, 60))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the trained weights (and so the figures) do not depend on the machine
+    try:
+        _train(folder, _stdlib_ids(tokenizer, 0, 60))
+    finally:
+        torch.set_num_threads(threads)
     heldout = _stdlib_ids(tokenizer, 60, 20)
     ppl = {}
     for name, path in (
