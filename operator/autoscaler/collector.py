@@ -9,6 +9,8 @@ never scale down".
 Sources (pluggable, so tests feed synthetic metrics; KWOK pods have no real IPs):
 - `EndpointsSource`: pod IPs from the pool's EndpointSlices (`kubernetes.io/service-name` =
   `<service>-<pool>`, ready endpoints only), scraped over HTTP with httpx and a timeout.
+- `PrometheusSource`: a Prometheus server's `/federate` (operator env TIDEPOOL_PROMETHEUS_URL),
+  series split into pods by their `pod` label.
 - `UrlTemplateSource`: one URL per pool from a template (operator flag
   `--metrics-source-url-template`, e.g. `http://feed:9000/{namespace}/{name}/{pool}`) whose body
   is the concatenated text of all the pool's pods, one block per pod, each block starting with
@@ -21,6 +23,7 @@ Invariants: no decisions here; times are the caller's (monotonic) clock; the rou
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +32,7 @@ import httpx
 from .metrics import MetricsParseError, PodMetrics, held_requests_by_pool, pod_metrics_from_text
 from .window import PoolWindow, Scrape
 
+_POD_LABEL = re.compile(r'[{,]pod="([^"]+)"')
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 
@@ -78,6 +82,44 @@ class UrlTemplateSource:
 
         results = await asyncio.gather(*(one(pool) for pool in pools))
         return dict(zip(pools, results, strict=True))
+
+
+class PrometheusSource:
+    """Series from a Prometheus server's `/federate` endpoint, split into per-pod bodies by `pod` label.
+
+    Prometheus (e.g. via the chart's ServiceMonitor) labels every scraped series with `namespace`
+    and `pod`; engine pods of a pool are named `<service>-<pool>-...`, routers `<service>-router-...`.
+    Pods Prometheus does not report simply count as not scraped (so the policy sees incomplete data).
+    """
+
+    def __init__(self, base_url: str, client: httpx.AsyncClient, timeout_s: float = 5.0) -> None:
+        self.base_url, self.client, self.timeout_s = base_url.rstrip("/"), client, timeout_s
+
+    async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]:
+        # Kubernetes names are [a-z0-9.-]: only "." is special in the regex; PromQL strings need its "\\" doubled.
+        pod_re = name.replace(".", "\\\\.")
+        selector = f'{{namespace="{namespace}",pod=~"{pod_re}-.+",__name__=~"vllm:.+|tidepool_router_.+"}}'
+        try:
+            response = await self.client.get(
+                f"{self.base_url}/federate", params={"match[]": selector}, timeout=self.timeout_s
+            )
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return {pool: PoolBodies(num_failed=1) for pool in pools}
+        by_pod: dict[str, list[str]] = {}
+        for line in response.text.splitlines():
+            match = _POD_LABEL.search(line) if line and not line.startswith("#") else None
+            if match:
+                by_pod.setdefault(match.group(1), []).append(line)
+        routers = ["\n".join(lines) for pod, lines in by_pod.items() if pod.startswith(f"{name}-router-")]
+        return {
+            pool: PoolBodies(
+                {pod: "\n".join(lines) for pod, lines in by_pod.items() if pod.startswith(f"{name}-{pool}-")},
+                0,
+                routers,
+            )
+            for pool in pools
+        }
 
 
 class EndpointsSource:

@@ -12,9 +12,10 @@ run `policy.decide`, then
 With autoscaling disabled the seam is cleared and HPA/KEDA may drive the scale subresource.
 
 Environment (keeps `tidepool operator`'s flags untouched): TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE
-(synthetic/federated feed, see collector.UrlTemplateSource; default: scrape pods from
-EndpointSlices), TIDEPOOL_AUTOSCALE_INTERVAL, TIDEPOOL_AUTOSCALE_WINDOW (metrics window, 60 s),
-TIDEPOOL_OPERATOR_METRICS_PORT (prometheus-client endpoint, default 9090; 0 disables).
+(synthetic feed, see collector.UrlTemplateSource), else TIDEPOOL_PROMETHEUS_URL (read a Prometheus
+server's /federate), else scrape the pods found in EndpointSlices; TIDEPOOL_AUTOSCALE_INTERVAL,
+TIDEPOOL_AUTOSCALE_WINDOW (metrics window, 60 s), TIDEPOOL_OPERATOR_METRICS_PORT (prometheus-client
+endpoint, default 9090; 0 disables).
 State (windows, histories) lives in kopf's memo; losing it only costs one window of data.
 """
 
@@ -34,7 +35,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from tidepool.operator.api import GROUP, KIND, PLURAL, VERSION, now_rfc3339
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE
 
-from .collector import Collector, EndpointsSource, UrlTemplateSource
+from .collector import Collector, EndpointsSource, PrometheusSource, UrlTemplateSource
 from .config import config_from_spec, is_enabled, pool_names
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
@@ -56,7 +57,13 @@ def _state(memo: Any) -> AutoscalerState:
     if state is None:
         http = httpx.AsyncClient()
         template = os.environ.get("TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE")
-        source = UrlTemplateSource(template, http) if template else EndpointsSource(memo.tidepool.client, http)
+        prometheus = os.environ.get("TIDEPOOL_PROMETHEUS_URL")
+        if template:
+            source = UrlTemplateSource(template, http)
+        elif prometheus:
+            source = PrometheusSource(prometheus, http)
+        else:
+            source = EndpointsSource(memo.tidepool.client, http)
         window = float(os.environ.get("TIDEPOOL_AUTOSCALE_WINDOW", "60"))
         state = memo.tidepool_autoscaler = AutoscalerState(Collector(source, window), http)
     return state

@@ -21,6 +21,7 @@ from tidepool.operator.autoscaler.collector import (
     Collector,
     EndpointsSource,
     PoolBodies,
+    PrometheusSource,
     UrlTemplateSource,
     split_pod_blocks,
 )
@@ -252,3 +253,32 @@ def test_after_a_restart_current_replicas_come_from_status_not_spec(monkeypatch)
     memo, _, events, _ = run_timer(body, kv=0.5, monkeypatch=monkeypatch, ticks=1)  # at target: hold
     assert memo.tidepool.replicas_overrides[("ns", "svc")] == {"unified": 5}  # not the spec's 2
     assert events == []
+
+
+def test_prometheus_federate_source_splits_series_by_pod_label():
+    federate = "\n".join(
+        [
+            "# TYPE vllm:kv_cache_usage_perc untyped",
+            'vllm:kv_cache_usage_perc{model_name="m",namespace="ns",pod="svc-decode-5c9-a"} 0.5 1700000000000',
+            'vllm:kv_cache_usage_perc{model_name="m",namespace="ns",pod="svc-decode-5c9-b"} 0.7 1700000000000',
+            'vllm:kv_cache_usage_perc{model_name="m",namespace="ns",pod="svc-prefill-77-a"} 0.1 1700000000000',
+            'tidepool_router_held_requests{namespace="ns",pod="svc-router-1-x",pool="decode"} 2 1700000000000',
+        ]
+    )
+    seen = {}
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        seen["match"] = request.url.params["match[]"]
+        return httpx.Response(200, text=federate)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as http:
+            collector = Collector(PrometheusSource("http://prom:9090/", http), 60.0)
+            await collector.collect("ns", "svc", ("prefill", "decode"), now=0.0)
+            return collector.snapshots("ns", "svc", ("prefill", "decode"))
+
+    snaps = asyncio.run(run())
+    assert 'namespace="ns"' in seen["match"] and 'pod=~"svc-.+"' in seen["match"]
+    assert snaps["decode"].num_pods_scraped == 2 and snaps["decode"].kv_cache_usage == pytest.approx(0.6)
+    assert snaps["decode"].held_requests == 2 and snaps["prefill"].held_requests == 0
+    assert snaps["prefill"].num_pods_scraped == 1 and snaps["prefill"].kv_cache_usage == 0.1
