@@ -19,12 +19,14 @@ Autoscaler seam: `memo.replicas_overrides[(namespace, name)] = {"decode": 3, ...
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import kopf
 
 from tidepool.operator.api import GROUP, PLURAL, VERSION, now_rfc3339
@@ -34,6 +36,7 @@ from tidepool.operator.reconcile import ReconcileResult, reconcile
 
 FINALIZER = "tidepool.dev/finalizer"
 FEATURE_TTL_S = 60.0  # how often optional CRDs (LWS, ServiceMonitor) are looked up again
+MAX_CONCURRENT_RECONCILES = 16
 MAX_WAIT_RETRIES = 240  # ~1 h of TemporaryError retries; the resync timer takes over after that
 
 
@@ -54,6 +57,9 @@ class OperatorState:
     options: OperatorOptions
     features: ClusterFeatures | None = None
     features_at: float = 0.0
+    # Bounds reconciles in flight: 1,000 objects arriving at once each get done quickly in turn,
+    # instead of all crawling (and timing out) together.
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_RECONCILES))
     replicas_overrides: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
     scaling_limits: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
@@ -76,15 +82,16 @@ async def reconcile_object(body: Mapping[str, Any], memo: Any, status_only: bool
     """Reconcile one InferenceService body with the operator's state; posts the Events it yields."""
     state: OperatorState = memo.tidepool
     key = (body["metadata"]["namespace"], body["metadata"]["name"])
-    result = await reconcile(
-        state.client,
-        body,
-        await state.current_features(),
-        now_rfc3339(),
-        replicas_override=state.replicas_overrides.get(key),
-        scaling_limit=state.scaling_limits.get(key),
-        status_only=status_only,
-    )
+    async with state.slots:
+        result = await reconcile(
+            state.client,
+            body,
+            await state.current_features(),
+            now_rfc3339(),
+            replicas_override=state.replicas_overrides.get(key),
+            scaling_limit=state.scaling_limits.get(key),
+            status_only=status_only,
+        )
     for type_, reason, message in result.events:
         kopf.event(dict(body), type=type_, reason=reason, message=message[:1000])
     return result
@@ -93,8 +100,8 @@ async def reconcile_object(body: Mapping[str, Any], memo: Any, status_only: bool
 async def _handle(body: Mapping[str, Any], memo: Any, logger: logging.Logger, retry: int) -> None:
     try:
         result = await reconcile_object(body, memo)
-    except ApiError as exc:
-        raise kopf.TemporaryError(f"API server: {exc}", delay=min(5 + 5 * retry, 60)) from exc
+    except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+        raise kopf.TemporaryError(f"API server: {exc!r}", delay=min(5 + 5 * retry, 60)) from exc
     if result.permanent_error:
         raise kopf.PermanentError(f"invalid spec: {result.permanent_error}")
     if result.apply_error:
@@ -116,8 +123,8 @@ async def on_resync(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **
         return
     try:
         result = await reconcile_object(body, memo)
-    except ApiError as exc:
-        logger.warning("resync failed: %s", exc)
+    except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning("resync failed: %r", exc)
         return
     if result.applied or result.pruned:
         logger.info("resync re-applied %s; pruned %s", result.applied or "nothing", result.pruned or "nothing")
@@ -138,8 +145,8 @@ async def on_child_event(
             continue
         try:
             await reconcile_object(parent, memo, status_only=True)
-        except ApiError as exc:
-            logger.warning("status refresh of %s failed: %s", owner, exc)
+        except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
+            logger.warning("status refresh of %s failed: %r", owner, exc)
 
 
 def register(registry: kopf.OperatorRegistry, creds: Credentials, options: OperatorOptions) -> None:

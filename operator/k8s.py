@@ -169,7 +169,9 @@ class KubeClient:
             if self.creds.cert_file and self.creds.key_file:
                 ctx.load_cert_chain(self.creds.cert_file, self.creds.key_file)
         connector = aiohttp.TCPConnector(ssl=ctx, limit=self._max_connections)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30))
+        # No total timeout: under a burst, time spent queueing for a pooled connection must not count.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=60)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
 
     async def close(self) -> None:
         if self._session is not None:

@@ -146,11 +146,14 @@ async def _observe(client: KubeClient, namespace: str, name: str, uid: str, kind
 async def _apply_all(
     client: KubeClient, objs: Sequence[dict[str, Any]]
 ) -> tuple[dict[tuple[str, str], dict], str | None]:
-    """Apply non-workloads first (workloads reference them), each phase concurrently. Returns results, first error."""
+    """Apply in phases, each concurrently: a RoleBinding after its Role (the API server's escalation check
+    reads the Role), workloads after what they reference. Returns the results and the first error."""
     results: dict[tuple[str, str], dict] = {}
     error = None
+    later = {"RoleBinding", *WORKLOAD_KINDS}
     for phase in (
-        [o for o in objs if o["kind"] not in WORKLOAD_KINDS],
+        [o for o in objs if o["kind"] not in later],
+        [o for o in objs if o["kind"] == "RoleBinding"],
         [o for o in objs if o["kind"] in WORKLOAD_KINDS],
     ):
         answers = await asyncio.gather(*(client.apply(o) for o in phase), return_exceptions=True)
