@@ -21,8 +21,11 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import json
+
     from tidepool.engine import LLM, SamplingParams
 
+    speculative = json.loads(args.speculative_config) if args.speculative_config else None
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -30,6 +33,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        speculative=speculative,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
@@ -44,6 +48,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"--- prompt: {prompt!r} ({len(output.prompt_token_ids)} tokens)")
         print(f"    output: {completion.text!r}")
         print(f"    {len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}")
+    stats = llm.engine.get_stats()
+    if stats.spec_num_draft_tokens:
+        rate = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+        print(f"speculative decoding: {stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} proposed tokens "
+              f"accepted ({rate:.0%})")  # fmt: skip
     return 0
 
 
@@ -92,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--max-num-seqs", type=int, default=256)
     gen.add_argument("--no-prefix-caching", action="store_true")
+    spec_help = 'JSON, e.g. \'{"method": "draft", "draft_model": DIR, "num_speculative_tokens": 4}\''
+    gen.add_argument("--speculative-config", default=None, help=spec_help)
     gen.set_defaults(func=_generate)
 
     # These parse their own flags, so the flags live next to their code and importing them stays
