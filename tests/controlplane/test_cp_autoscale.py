@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -193,18 +194,23 @@ def test_scales_up_hits_scaling_limited_and_scales_down(control_plane, cp_namesp
         "ScalingLimited=True",
     )
     assert "nvidia.com/gpu" in limited["message"] or "unschedulable" in limited["message"], limited
+    # Reconcile may report the Pending pods before the autoscaler's next tick sees them: wait for that tick.
+    status = wait_until(
+        lambda: (
+            (s := autoscaling_status(control_plane, cp_namespace, name)) and "unschedulable" in s["lastDecision"] and s
+        ),
+        30,
+        "a decision that sees the unschedulable pods",
+    )
+    assert status["mode"] == "active" and status["lastScaleTime"] and "kv_cache 0.90" in status["lastDecision"]
     ceiling = deployment_replicas(control_plane, cp_namespace, name)
     assert 4 < ceiling < 12
-    status = autoscaling_status(control_plane, cp_namespace, name)
-    assert status["mode"] == "active" and status["lastScaleTime"] and "kv_cache 0.90" in status["lastDecision"]
-    assert "unschedulable" in status["lastDecision"]
-    # No runaway while pods cannot be scheduled.
-    wait_until(
-        lambda: "limited" in autoscaling_status(control_plane, cp_namespace, name)["lastDecision"],
-        30,
-        "another limited decision",
-    )
-    assert deployment_replicas(control_plane, cp_namespace, name) == ceiling
+    # No runaway while pods cannot be scheduled: the next several decisions (1 s apart) hold the replicas.
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:
+        assert deployment_replicas(control_plane, cp_namespace, name) == ceiling
+        time.sleep(0.5)
+    assert "limited" in autoscaling_status(control_plane, cp_namespace, name)["lastDecision"]
 
     feed.set("unified", kv=0.05, requests=5)
     wait_until(lambda: deployment_replicas(control_plane, cp_namespace, name) == 1, 120, "scale down to minReplicas 1")
