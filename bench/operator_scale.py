@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -122,7 +123,7 @@ async def progress(kubeconfig: Path) -> dict[str, int]:
     return {"engines": len(engines), "engines_ready": len(pods_ready), "ready": sum(map(is_ready, services))}
 
 
-def run(num_services: int, num_nodes: int, timeout_s: float, resync_s: float) -> dict[str, Any]:
+def run(num_services: int, num_nodes: int, timeout_s: float, resync_s: float, keep_state: bool) -> dict[str, Any]:
     patch_kwok_leases()
     state = Path(tempfile.mkdtemp(prefix="tidepool-opscale-"))
     t_cluster = time.monotonic()
@@ -181,6 +182,10 @@ def run(num_services: int, num_nodes: int, timeout_s: float, resync_s: float) ->
         result["operator_forbidden"] = len(op.forbidden_lines())
     finally:
         cluster.stop()
+        if keep_state:
+            print(f"state (logs, kubeconfigs) kept in {state}", file=sys.stderr)
+        else:
+            shutil.rmtree(state, ignore_errors=True)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True}
     return result
 
@@ -192,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="the operator's resync timer")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--keep-state", action="store_true", help="keep the cluster's and operator's logs")
     args = parser.parse_args(argv)
     if args.services * 1 > args.nodes * devcluster.GPUS_PER_NODE:
         parser.error(f"{args.services} one-GPU services do not fit on {args.nodes} nodes of {devcluster.GPUS_PER_NODE}")
-    result = run(args.services, args.nodes, args.timeout, args.resync_seconds)
+    result = run(args.services, args.nodes, args.timeout, args.resync_seconds, args.keep_state)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"operator_scale_n{args.services}_m{args.nodes}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")

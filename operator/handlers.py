@@ -61,6 +61,7 @@ class OperatorState:
     # instead of all crawling (and timing out) together.
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_CONCURRENT_RECONCILES))
     replicas_overrides: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    applied_generation: dict[tuple[str, str], int] = field(default_factory=dict)  # fully applied by this process
     scaling_limits: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
     async def current_features(self) -> ClusterFeatures:
@@ -98,8 +99,14 @@ async def reconcile_object(body: Mapping[str, Any], memo: Any, status_only: bool
 
 
 async def _handle(body: Mapping[str, Any], memo: Any, logger: logging.Logger, retry: int) -> None:
+    state: OperatorState = memo.tidepool
+    meta = body["metadata"]
+    key, generation = (meta["namespace"], meta["name"]), meta.get("generation")
+    # A retry that only waits for pods (this generation fully applied by this process) reads status
+    # and applies nothing: at 1,000 services full reconciles on every retry would swamp the API server.
+    waiting = retry > 0 and state.applied_generation.get(key) == generation
     try:
-        result = await reconcile_object(body, memo)
+        result = await reconcile_object(body, memo, status_only=waiting)
     except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
         raise kopf.TemporaryError(f"API server: {exc!r}", delay=min(5 + 5 * retry, 60)) from exc
     if result.permanent_error:
@@ -108,10 +115,12 @@ async def _handle(body: Mapping[str, Any], memo: Any, logger: logging.Logger, re
         raise kopf.TemporaryError(result.apply_error, delay=min(5 + 5 * retry, 60))
     if result.applied or result.pruned:
         logger.info("applied %s; pruned %s", result.applied or "nothing", result.pruned or "nothing")
+    if not waiting:
+        state.applied_generation[key] = generation
     if not result.ready and retry < MAX_WAIT_RETRIES:
         ready = result.status.condition("Ready")
         # Child workload events refresh status as pods become ready; this retry is the fallback.
-        raise kopf.TemporaryError(f"not ready yet: {ready.message if ready else ''}", delay=min(5 + 2 * retry, 30))
+        raise kopf.TemporaryError(f"not ready yet: {ready.message if ready else ''}", delay=min(10 + 5 * retry, 60))
 
 
 async def on_change(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:

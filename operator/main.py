@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     import kopf
 
-    # kopf's formatter prefixes object messages with [namespace/name]; our level on top of it.
+    # kopf's formatter prefixes object messages with [namespace/name]; our level on top of it. It replaces
+    # the plain handler `tidepool --log-level` installed, so every line is printed once.
+    logging.getLogger().handlers.clear()
     kopf.configure(log_format=kopf.LogFormat.FULL, log_prefix=True, debug=args.log_level == "DEBUG")
     logging.getLogger().setLevel(args.log_level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
