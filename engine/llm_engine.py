@@ -10,7 +10,6 @@ so it never affects the requests already running.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -23,14 +22,14 @@ from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
 from .kv_cache import KVCacheManager
-from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams, gather_kv, scatter_kv
+from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
+from .kv_transfer.handoff import KVHandoff
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.loader import load_model
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, RequestStatus
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
@@ -101,9 +100,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # P/D disaggregation (kv_transfer): requests whose KV goes to a decode engine once prefilled,
         # received requests waiting for KV room, and first-token outputs of admitted ones.
-        self.kv_connector = self._make_kv_connector()
-        self._producers: dict[str, ProducerParams] = {}
-        self._imports: dict[str, tuple[Request, KVPayload]] = {}
+        self.handoff = self._make_handoff()
         self._import_outputs: list[RequestOutput] = []
         self.last_stats = self._stats_with()
         logger.info(
@@ -135,7 +132,10 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.validate_prompt(prompt)
-        self._check_kv_transfer(kv_transfer, token_ids, params)
+        if kv_transfer is not None:
+            if self.handoff is None:
+                raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
+            self.handoff.check(kv_transfer, token_ids, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -150,11 +150,11 @@ class LLMEngine:
         if isinstance(kv_transfer, KVPayload):
             request.output_token_ids.append(kv_transfer.first_token_id)
             self._tracked[request_id] = tracked
-            self._imports[request_id] = (request, kv_transfer)
-            self._admit_imports()
+            self.handoff.imports[request_id] = (request, kv_transfer)
+            self.handoff.admit(self._on_admitted)
             return request
         if kv_transfer is not None:
-            self._producers[request_id] = kv_transfer
+            self.handoff.producers[request_id] = kv_transfer
         self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
         return request
@@ -184,16 +184,16 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        for request_id in ids:
-            self._producers.pop(request_id, None)
-            entry = self._imports.pop(request_id, None)
-            if entry is not None:  # never admitted: no blocks to free
-                entry[0].status = RequestStatus.FINISHED_ABORTED
-                finished.append(entry[0])
+        for request_id in ids if self.handoff else ():
+            waiting = self.handoff.abort(request_id)
+            if waiting is not None:  # never admitted: no blocks to free
+                waiting.status = RequestStatus.FINISHED_ABORTED
+                finished.append(waiting)
         return [self._finish_output(request) for request in finished]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._imports) or bool(self._import_outputs)
+        pending = self.handoff is not None and self.handoff.has_pending
+        return self.scheduler.has_unfinished_requests() or pending or bool(self._import_outputs)
 
     def get_stats(self) -> EngineStats:
         return self._stats_with()
@@ -219,7 +219,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled forward pass; returns an output for every request that produced a token."""
         start = time.monotonic()
-        self._admit_imports()
+        if self.handoff is not None:
+            self.handoff.admit(self._on_admitted)
         ready, self._import_outputs = self._import_outputs, []
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator else None
         sched_out = self.scheduler.schedule(proposals)
@@ -236,8 +237,8 @@ class LLMEngine:
         runner_out = self.runner.execute(sched_out)
         if self.speculator is not None:
             self.speculator.verify(sched_out, runner_out)
-        if self._producers:
-            self._send_prefilled_kv(sched_out, runner_out)
+        if self.handoff is not None:
+            self.handoff.send_prefilled(sched_out, runner_out)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
         now = time.monotonic()
         self.last_stats = self._stats_with(
@@ -283,7 +284,12 @@ class LLMEngine:
         return outputs
 
     # ---- P/D disaggregation -------------------------------------------------------------------
-    def _make_kv_connector(self) -> KVConnector | None:
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        """The KV connector of a prefill or decode engine (None when unified)."""
+        return self.handoff.connector if self.handoff is not None else None
+
+    def _make_handoff(self) -> KVHandoff | None:
         config = self.config
         if config.kv_role == "unified":
             return None
@@ -295,83 +301,29 @@ class LLMEngine:
         mc = self.model_config
         geometry = KVGeometry(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
                               self.resolved.dtype)  # fmt: skip
-        return KVConnector(config.kv_role, geometry, port=config.kv_port, timeout_s=config.kv_transfer_timeout_s)
+        return KVHandoff(config.kv_role, geometry, self.runner.kv_caches, self.scheduler, self.sampler,
+                         mc.vocab_size, config.kv_port, config.kv_transfer_timeout_s)  # fmt: skip
 
-    def _check_kv_transfer(
-        self, kv_transfer: ProducerParams | KVPayload | None, token_ids: list[int], params: SamplingParams
-    ) -> None:
-        if kv_transfer is None:
-            return
-        role = self.config.kv_role
-        if isinstance(kv_transfer, ProducerParams):
-            if role != "prefill":
-                raise ValueError(f"this engine's kv_role is {role!r}; only a 'prefill' engine sends KV")
-            if params.max_tokens != 1:
-                raise ValueError("a prefill (producer) request must have max_tokens=1: the decode engine generates")
-        elif isinstance(kv_transfer, KVPayload):
-            if role != "decode":
-                raise ValueError(f"this engine's kv_role is {role!r}; only a 'decode' engine takes received KV")
-            if kv_transfer.prompt_token_ids != token_ids:
-                raise ValueError(
-                    f"KV transfer {kv_transfer.transfer_id} was prefilled for a different prompt "
-                    f"({len(kv_transfer.prompt_token_ids)} tokens vs {len(token_ids)}); send the same request "
-                    "body to the prefill and the decode engine"
-                )
-            if params.logprobs is not None:
-                raise ValueError("logprobs are not supported for disaggregated requests yet")
+    def _on_admitted(self, request: Request, first_token: int) -> None:
+        """A received request now runs: emit its first token (it may already finish the request)."""
+        request.first_token_time = request.last_token_time = time.monotonic()
+        tracked = self._tracked[request.request_id]
+        match = tracked.detokenizer.update([first_token])
+        if request.is_finished:
+            if request.stop_token_id is not None:
+                tracked.stop_reason = request.stop_token_id
+            self._import_outputs.append(self._finish_output(request))
+        elif match is not None:
+            tracked.stop_reason = match.stop_str
+            for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
+                self._import_outputs.append(self._finish_output(done))
         else:
-            raise ValueError(f"kv_transfer must be ProducerParams or KVPayload, got {type(kv_transfer).__name__}")
-
-    def _send_prefilled_kv(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
-        """Ship the prompt KV + first token of every producer request that sampled this step.
-
-        Runs before the scheduler retires those requests (which frees their blocks): the KV is
-        copied out here, so the send itself overlaps the following steps on a sender thread.
-        """
-        sender = self.kv_connector.sender if self.kv_connector else None
-        for seq in sched_out.scheduled:
-            request = seq.request
-            token = runner_out.sampled_token_ids.get(request.request_id)
-            if token is None or request.request_id not in self._producers or sender is None:
-                continue
-            params = self._producers.pop(request.request_id)
-            num_blocks = self.kv_cache.num_blocks_for(request.num_prompt_tokens)
-            kv = gather_kv(self.runner.kv_caches, seq.block_ids[:num_blocks])
-            payload = KVPayload(params.transfer_id, list(request.prompt_token_ids), token, self.config.block_size, kv)
-            sender.send(params.decode_kv_addr, payload)
-
-    def _admit_imports(self) -> None:
-        """Admit received requests in arrival order while KV memory allows; emit their first token."""
-        caches = self.runner.kv_caches
-        for request_id, (request, payload) in list(self._imports.items()):
-            if not self.scheduler.add_prefilled_request(request, functools.partial(scatter_kv, caches, kv=payload.kv)):
-                return  # no room yet: retried every step, in order
-            del self._imports[request_id]
-            params = request.sampling_params
-            if params.seed is not None and not params.is_greedy:
-                # The prefill engine drew the first token's noise from this seed: draw it here too, so a
-                # seeded request's later tokens are the ones unified serving would sample.
-                noise = torch.empty(self.model_config.vocab_size, device=self.sampler.device)
-                noise.exponential_(generator=self.sampler.generator_for(request))
-            now = time.monotonic()
-            request.first_token_time = request.last_token_time = now
-            tracked = self._tracked[request_id]
-            match = tracked.detokenizer.update([payload.first_token_id])
-            if request.is_finished:
-                if request.stop_token_id is not None:
-                    tracked.stop_reason = request.stop_token_id
-                self._import_outputs.append(self._finish_output(request))
-            elif match is not None:
-                tracked.stop_reason = match.stop_str
-                for done in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED):
-                    self._import_outputs.append(self._finish_output(done))
-            else:
-                self._import_outputs.append(self._output(tracked))
+            self._import_outputs.append(self._output(tracked))
 
     def close(self) -> None:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
-        if self.kv_connector is not None:
-            self.kv_connector.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self.executor is not None:
             self.executor.shutdown()
 

@@ -1,0 +1,114 @@
+"""The engine's side of the P/D hand-off: which requests send KV, which wait to be admitted with it.
+
+`KVHandoff` is owned by `LLMEngine` when its `kv_role` is `prefill` or `decode` and runs on the
+engine thread only. Prefill: a producer request's prompt KV and first token are copied out in
+the step that samples that token — before the scheduler retires the request and frees its
+blocks — and sent on a sender thread while the engine keeps stepping. Decode: a received
+request waits here until the scheduler has room (`Scheduler.add_prefilled_request`, which
+allocates blocks and lets us fill them before anything can read them), in arrival order.
+Invariant: a request is in at most one of `producers` and `imports`, and leaves it when it is
+sent, admitted or aborted — so no block and no payload outlives its request.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..request import Request
+from ..sampling_params import SamplingParams
+from ..sched_output import ModelRunnerOutput, SchedulerOutput
+from . import KVConnector, KVGeometry, KVPayload, KVRole, ProducerParams, gather_kv, scatter_kv
+
+if TYPE_CHECKING:
+    from ..sampler import Sampler
+    from ..scheduler import Scheduler
+
+
+class KVHandoff:
+    def __init__(
+        self,
+        role: KVRole,
+        geometry: KVGeometry,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        scheduler: Scheduler,
+        sampler: Sampler,
+        vocab_size: int,
+        port: int,
+        timeout_s: float,
+    ) -> None:
+        self.role = role
+        self.block_size = geometry.block_size
+        self.connector = KVConnector(role, geometry, port=port, timeout_s=timeout_s)
+        self._kv_caches = kv_caches
+        self._scheduler = scheduler
+        self._sampler = sampler
+        self._vocab_size = vocab_size
+        self.producers: dict[str, ProducerParams] = {}
+        self.imports: dict[str, tuple[Request, KVPayload]] = {}
+
+    def check(self, kv_transfer: ProducerParams | KVPayload, token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming the problem when this request cannot take part in a hand-off here."""
+        if isinstance(kv_transfer, ProducerParams):
+            if self.role != "prefill":
+                raise ValueError(f"this engine's kv_role is {self.role!r}; only a 'prefill' engine sends KV")
+            if params.max_tokens != 1:
+                raise ValueError("a prefill (producer) request must have max_tokens=1: the decode engine generates")
+            return
+        if self.role != "decode":
+            raise ValueError(f"this engine's kv_role is {self.role!r}; only a 'decode' engine takes received KV")
+        if kv_transfer.prompt_token_ids != token_ids:
+            raise ValueError(
+                f"KV transfer {kv_transfer.transfer_id} was prefilled for a different prompt "
+                f"({len(kv_transfer.prompt_token_ids)} tokens vs {len(token_ids)}); send the same request "
+                "body to the prefill and the decode engine"
+            )
+        if params.logprobs is not None:
+            raise ValueError("logprobs are not supported for disaggregated requests yet")
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.imports)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Forget a request; returns it if it was still waiting for admission (it holds no blocks)."""
+        self.producers.pop(request_id, None)
+        entry = self.imports.pop(request_id, None)
+        return entry[0] if entry else None
+
+    def send_prefilled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Ship the prompt KV + first token of every producer request that sampled this step."""
+        sender = self.connector.sender
+        if not self.producers or sender is None:
+            return
+        for seq in sched_out.scheduled:
+            request = seq.request
+            token = runner_out.sampled_token_ids.get(request.request_id)
+            if token is None or request.request_id not in self.producers:
+                continue
+            params = self.producers.pop(request.request_id)
+            num_blocks = -(-request.num_prompt_tokens // self.block_size)
+            kv = gather_kv(self._kv_caches, seq.block_ids[:num_blocks])
+            payload = KVPayload(params.transfer_id, list(request.prompt_token_ids), token, self.block_size, kv)
+            sender.send(params.decode_kv_addr, payload)
+
+    def admit(self, on_admitted: Callable[[Request, int], None]) -> None:
+        """Admit waiting received requests in arrival order while there is room; `on_admitted(request, first_token)`."""
+        for request_id, (request, payload) in list(self.imports.items()):
+            fill = functools.partial(scatter_kv, self._kv_caches, kv=payload.kv)
+            if not self._scheduler.add_prefilled_request(request, fill):
+                return  # no room yet: retried every step, in order
+            del self.imports[request_id]
+            params = request.sampling_params
+            if params.seed is not None and not params.is_greedy:
+                # The prefill engine drew the first token's noise from this seed: draw it here too, so a
+                # seeded request's later tokens are the ones unified serving would sample.
+                noise = torch.empty(self._vocab_size, device=self._sampler.device)
+                noise.exponential_(generator=self._sampler.generator_for(request))
+            on_admitted(request, payload.first_token_id)
+
+    def close(self) -> None:
+        self.connector.close()
