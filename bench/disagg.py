@@ -16,101 +16,57 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve as serve_bench  # bench/serve.py: load generator and vLLM metric definitions
+from procs import free_port, spawn, stop, wait_ready
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tidepool() -> list[str]:
-    script = Path(sys.executable).with_name("tidepool")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "tidepool.cli"]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}; log {log}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f}s; log {log}")
 
 
 @contextmanager
 def processes(specs: list[tuple[str, list[str], int]], log_dir: Path) -> Iterator[None]:
     """Start `tidepool <args>` processes (name, args, http port), wait until all are ready, stop them after."""
-    procs: list[subprocess.Popen[bytes]] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
     try:
-        started = []
         for name, args, port in specs:
             log = log_dir / f"{name}.log"
-            with log.open("wb") as out:
-                proc = subprocess.Popen([*_tidepool(), *args], stdout=out, stderr=subprocess.STDOUT, cwd=log_dir,
-                                        env=env)  # fmt: skip
-            procs.append(proc)
-            started.append((f"http://127.0.0.1:{port}", proc, log))
+            started.append((f"http://127.0.0.1:{port}", spawn(args, port, log), log))
         for url, proc, log in started:
-            _wait_ready(url, proc, log)
+            wait_ready(url, proc, log)
         yield
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for _, proc, _ in started:
+            stop(proc)
 
 
-def _engine(model: str, port: int, *flags: str) -> list[str]:
-    return ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench",
-            *flags]  # fmt: skip
+def _engine(model: str, *flags: str) -> list[str]:
+    return ["serve", "--model", model, "--served-model-name", "bench", *flags]
 
 
 def setups(model: str) -> dict[str, list[tuple[str, list[str], int]]]:
-    a, b, router = _free_port(), _free_port(), _free_port()
-    kv = _free_port()
-    route = ["router", "--host", "127.0.0.1", "--port", str(router)]
+    a, b, router, kv = free_port(), free_port(), free_port(), free_port()
+    route = ["router"]
     route_unified = [*route, "--policy", "least-load", "--unified-url", f"http://127.0.0.1:{a}"]
     route_unified += ["--unified-url", f"http://127.0.0.1:{b}"]
     route_disagg = [*route, "--policy", "least-load", "--prefill-url", f"http://127.0.0.1:{a}"]
     route_disagg += ["--decode-url", f"http://127.0.0.1:{b},kv=127.0.0.1:{kv}"]
     unified = [
-        ("unified-0", _engine(model, a), a),
-        ("unified-1", _engine(model, b), b),
+        ("unified-0", _engine(model), a),
+        ("unified-1", _engine(model), b),
         ("router-unified", route_unified, router),
     ]
     disagg = [
-        ("prefill", _engine(model, a, "--role", "prefill"), a),
-        ("decode", _engine(model, b, "--role", "decode", "--kv-port", str(kv)), b),
+        ("prefill", _engine(model, "--role", "prefill"), a),
+        ("decode", _engine(model, "--role", "decode", "--kv-port", str(kv)), b),
         ("router-disagg", route_disagg, router),
     ]
     return {"unified": unified, "disaggregated": disagg}

@@ -26,9 +26,6 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,6 +34,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from procs import free_port, spawn, stop, wait_ready
 
 from common import bench_model
 
@@ -79,52 +77,6 @@ class Result:
     ttft: float = 0.0
     e2el: float = 0.0
     replica: str = ""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def tidepool_cmd() -> list[str]:
-    script = Path(sys.executable).with_name("tidepool")
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "tidepool.cli"]
-
-
-def spawn(args: list[str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with log.open("ab") as out:  # cwd outside the repository: operator/ must not shadow the stdlib module
-        return subprocess.Popen(
-            [*tidepool_cmd(), *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd="/tmp",
-            env=env,
-        )
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}; its log: {log}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout} s; its log: {log}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def text(rng: random.Random, num_chars: int) -> str:
