@@ -28,9 +28,8 @@ rm -f "$_log"
 PY="$TIDEPOOL_VENV/bin/python"
 export PATH="$TIDEPOOL_VENV/bin:$PATH"
 
-# The demo's model, made once per machine; prints its folder.
+# The demo's model: the trained demo target (scripts/demo_models.sh trains the pair once per machine,
+# deterministically; instant afterwards). Prints its folder.
 demo_model() {
-  local model="$TIDEPOOL_CACHE/models/demo-llama-small"
-  [[ -f "$model/config.json" ]] || tidepool make-model --arch llama --preset small "$model" >&2
-  echo "$model"
+  bash "$TIDEPOOL_ROOT/scripts/demo_models.sh" | head -n1
 }

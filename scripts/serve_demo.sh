@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The server demo: set up the environment, make the demo model, start `tidepool serve`, stream a
-# chat completion to the terminal, print a few vLLM metrics, stop the server cleanly (SIGTERM, exit 0).
+# completion to the terminal, print a few vLLM metrics, stop the server cleanly (SIGTERM, exit 0).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
@@ -20,25 +20,27 @@ for _ in $(seq 1 240); do
 done
 curl -sf "http://127.0.0.1:$port/ready" >/dev/null || { cat "$log"; echo "server not ready" >&2; exit 1; }
 
-echo "== streaming a chat completion (the openai client, stream=True)"
+echo "== streaming a completion (the openai client, stream=True)"
 "$PY" - "$port" <<'PY'
 import sys
 
 import openai
 
 client = openai.OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
-stream = client.chat.completions.create(
+prompt = "def read_config(path):\n    \"\"\""
+print(prompt, end="", flush=True)
+stream = client.completions.create(
     model="demo",
-    messages=[{"role": "user", "content": "Tell me about tide pools."}],
-    max_completion_tokens=48,
-    temperature=0.8,
+    prompt=prompt,
+    max_tokens=64,
+    temperature=0.7,
     seed=0,
     stream=True,
     stream_options={"include_usage": True},
 )
 for chunk in stream:
     if chunk.choices:
-        print(chunk.choices[0].delta.content or "", end="", flush=True)
+        print(chunk.choices[0].text, end="", flush=True)
     if chunk.usage:
         print(f"\n[{chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion tokens]")
 PY
@@ -58,4 +60,4 @@ if [[ "$status" -ne 0 ]]; then
 fi
 grep -E "drained|KV blocks free" "$log" || true
 echo "server stopped cleanly (exit 0)"
-echo "(random weights: the text is noise; the point is the server. See bench/README.md for the serving benchmark.)"
+echo "(a 22M-parameter model trained for minutes on the Python standard library: Python-looking text, not code that runs)"
