@@ -144,6 +144,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the dev machine is shared)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all prompts and methods")
+    parser.add_argument("--num-prompts", type=int, default=5, help="prompts per workload (at most 5)")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/spec_decode_<target>.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,8 +165,7 @@ def main() -> int:
     from tidepool.engine.tokenizer import Tokenizer
 
     work = prompts(Tokenizer.from_pretrained(target), args.max_prompt_tokens)
-    if args.quick:
-        work = {name: p[:1] for name, p in work.items()}
+    work = {name: p[: 1 if args.quick else args.num_prompts] for name, p in work.items()}
     configs: dict[str, dict[str, Any] | None] = {
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
