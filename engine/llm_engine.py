@@ -51,9 +51,14 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         if not Path(config.model).is_dir():
             raise FileNotFoundError(f"model folder {config.model} does not exist")
+        if config.quantization is not None:
+            from .quant.prepare import prepare_quantized
+
+            quantized = prepare_quantized(config.model, config.quantization)
+            config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
+        self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
         model_config = ModelConfig.from_pretrained(config.model)
         self.resolved: ResolvedConfig = resolve(config, model_config)

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4", "gptq", "awq"],
+        help="check a quantized checkpoint's method, or quantize a dense folder to int8/int4 at load",
+    )
+    engine.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
@@ -122,6 +128,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         show_progress=False,
         speculative=_speculative_config(args.speculative_config),
+        quantization=args.quantization,
         kv_role=args.role,
         kv_port=args.kv_port,
         kv_transfer_timeout_s=args.kv_transfer_timeout,

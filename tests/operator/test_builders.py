@@ -258,12 +258,12 @@ def _substitute_env(args: list[str]) -> list[str]:
         spec(DISAGG),
         spec(MULTI_NODE),
         spec(UNIFIED, engine__speculative={"method": "draft", "draftModel": "hf://org/draft"}),
+        spec(UNIFIED, model__quantization="int4"),
     ],
-    ids=["unified", "no-caching", "disaggregated", "multi-node", "speculative"],
+    ids=["unified", "no-caching", "disaggregated", "multi-node", "speculative", "quantized"],
 )
 def test_engine_args_parse_with_tidepool_serve(s):
-    """The builder's args go through the real `tidepool serve` parser (the engine's own flags).
-    `--quantization` is not in `tidepool serve` yet, so no case here sets spec.model.quantization."""
+    """The builder's args go through the real `tidepool serve` parser (the engine's own flags)."""
     from tidepool.engine.server.cli import build_parser
 
     parser = build_parser()
@@ -278,6 +278,8 @@ def test_engine_args_parse_with_tidepool_serve(s):
             assert args.role in ("prefill", "decode") and args.kv_port == 14579
         if s["parallelism"]["pipeline"] > 1:
             assert args.nnodes == 2 and args.node_rank == 1 and args.master_port == 29500
+        quantization = s["model"].get("quantization")
+        assert args.quantization == (None if quantization in (None, "none") else quantization)
         if s["engine"].get("speculative"):
             config = json.loads(args.speculative_config)
             assert config["model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4

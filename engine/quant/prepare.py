@@ -1,0 +1,68 @@
+"""`LLM(quantization=...)` / `tidepool serve --quantization`: make sure the model that loads is quantized as asked.
+
+vLLM's flag, Tidepool's semantics: a folder that already carries a `quantization_config` must
+match the method asked for (`gptq`, `awq`, `int8`, `int4`), else a ValueError says what the folder
+holds. A dense folder asked for `int8`/`int4` is quantized once into a sibling cache folder
+(`$TIDEPOOL_QUANT_CACHE`, default `<tmp>/tidepool-quantized/<name>-<method>-g<group>-<key>`, keyed on
+the source's config and weight files' sizes and mtimes), which then loads like any quantized
+folder — the operator's pods do this in their writable /tmp. `gptq`/`awq` need such a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from .load import read_quant_spec
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("int8", "int4", "gptq", "awq")
+_KIND = {"int8": "tidepool-int8", "int4": "tidepool-int4", "gptq": "gptq", "awq": "awq"}
+
+
+def prepare_quantized(model: str, quantization: str | None, group_size: int = 128) -> str:
+    """The folder to load for `model` quantized with `quantization` (None: the model as it is)."""
+    if quantization is None:
+        return model
+    if quantization not in METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {quantization!r}")
+    folder = Path(model)
+    spec = read_quant_spec(folder)
+    if spec is not None:
+        if spec.kind != _KIND[quantization]:
+            raise ValueError(
+                f"{folder} is already quantized as {spec.kind}, not {quantization}; drop the quantization option "
+                "or point at the matching checkpoint"
+            )
+        return model
+    if quantization in ("gptq", "awq"):
+        raise ValueError(
+            f"{folder} is a dense checkpoint; {quantization} needs a {quantization.upper()} checkpoint "
+            "(or use int8/int4, which Tidepool quantizes at load)"
+        )
+    from .cli import quantize_folder
+
+    out = _cache_dir(folder, quantization, group_size)
+    if (out / "config.json").is_file():
+        logger.info("using the %s copy of %s cached in %s", quantization, folder, out)
+        return str(out)
+    logger.info("quantizing %s to %s (group size %d) into %s", folder, quantization, group_size, out)
+    partial = out.with_name(out.name + f".partial-{os.getpid()}")
+    quantize_folder(folder, partial, quantization, group_size)
+    partial.rename(out)  # atomic: a crash never leaves a half-written folder under the final name
+    return str(out)
+
+
+def _cache_dir(folder: Path, method: str, group_size: int) -> Path:
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".json", ".safetensors"):
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    root = Path(os.environ.get("TIDEPOOL_QUANT_CACHE") or Path(tempfile.gettempdir()) / "tidepool-quantized")
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"{folder.name}-{method}-g{group_size}-{digest.hexdigest()[:12]}"
