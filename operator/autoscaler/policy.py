@@ -117,15 +117,16 @@ def decide(
             value = max(value, cur)
         desired[name] = value
 
-    if PREFILL in desired:
-        ratio_note = _guard_ratio(desired, config, current, evals)
-        if ratio_note:
-            limited[PREFILL] = "; ".join(x for x in (limited.get(PREFILL), ratio_note) if x)
-
     last_active = history.last_active_time if history.last_active_time is not None else now
     if any(_is_active(s) for s in snaps.values()):
         last_active = now
     zero_note = _zero(desired, config, current, snaps, evals, last_active, now)
+
+    # After the zero rules: waking both pools from zero must respect (or report) the ratio too.
+    if PREFILL in desired:
+        ratio_note = _guard_ratio(desired, config, current, evals)
+        if ratio_note:
+            limited[PREFILL] = "; ".join(x for x in (limited.get(PREFILL), ratio_note) if x)
 
     pools = {
         name: PoolDecision(
