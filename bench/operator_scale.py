@@ -8,9 +8,9 @@ Reports: time to all created, when every engine Deployment existed / had its pod
 service was Ready (from the first create), the operator's peak RSS (VmHWM) and CPU seconds
 (utime+stime from /proc), and the machine's load. Results go to bench/results/operator_scale_n<N>_m<M>.json.
 
-    nice -n 19 .venv/bin/python bench/operator_scale.py --services 100 --nodes 100
+    source scripts/env.sh && nice -n 19 python bench/operator_scale.py --services 100 --nodes 100
 
-kwok runs with --node-lease-duration-seconds=40 (e2e/controlplane/devcluster.py): without it nothing
+kwok here runs with --node-lease-duration-seconds=40 (added by this script): without it nothing
 renews node leases, nodes turn NotReady ~50 s after start and every pod loses readiness for good.
 The numbers are wall-clock on whatever machine runs it: every component (etcd, apiserver,
 controller-manager, scheduler, kwok, operator, this poller) shares its cores.
@@ -82,6 +82,18 @@ class ProcStats:
         return 0.0
 
 
+def patch_kwok_leases() -> None:
+    """Give kwok a node lease duration so it renews node leases (see the module docstring)."""
+    original = devcluster.DevCluster._spawn
+
+    def spawn(self: devcluster.DevCluster, name: str, args: list[str]) -> None:
+        if name == "kwok":
+            args = [*args, "--node-lease-duration-seconds=40"]
+        original(self, name, args)
+
+    devcluster.DevCluster._spawn = spawn  # type: ignore[method-assign]
+
+
 async def create_all(kubeconfig: Path, num: int, concurrency: int = 16) -> float:
     """POST N InferenceServices with bounded concurrency; returns seconds taken."""
     t0 = time.monotonic()
@@ -112,6 +124,7 @@ async def progress(kubeconfig: Path) -> dict[str, int]:
 
 
 def run(num_services: int, num_nodes: int, timeout_s: float, resync_s: float, keep_state: bool) -> dict[str, Any]:
+    patch_kwok_leases()
     state = Path(tempfile.mkdtemp(prefix="tidepool-opscale-"))
     t_cluster = time.monotonic()
     cluster = devcluster.DevCluster(num_nodes=num_nodes, state_dir=state / "cluster", timeout_s=max(120, num_nodes))

@@ -252,9 +252,6 @@ class DevCluster:
                 f"--config={KWOK_STAGES}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
-                # Without a lease duration kwok renews no node leases: nodes turn NotReady ~50 s after
-                # start and every pod on them loses readiness for good (kwok's stages only ready Pending pods).
-                "--node-lease-duration-seconds=40",
             ],
         )
         for i in range(self.num_nodes):
