@@ -10,12 +10,17 @@ echo "== the demo model pair (trained on the first run: ~30-45 min on 2 cores; c
 models="$(bash scripts/demo_models.sh)"
 target="$(sed -n 1p <<<"$models")"
 draft="$(sed -n 2p <<<"$models")"
-prompts=(--prompt $'import os\nimport sys\n\n\ndef main(' --prompt $'class Queue:\n    """' --prompt $'def fibonacci(n):\n')
-echo "== offline generation (tidepool generate, greedy)"
-(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${prompts[@]}")
+prompts=(--prompt $'import os\nimport sys\n\n\ndef main(' --prompt $'class Queue:\n    """' --prompt $'    def __init__(self, ')
+echo "== offline generation (tidepool generate; sampled: temperature 0.7, top-p 0.9)"
+(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 --temperature 0.7 --top-p 0.9 \
+  --seed 1 "${prompts[@]}")
+greedy=(--prompt $'import os\nimport sys\n\n\ndef main(' --prompt $'    def __init__(self, ')
 echo
-echo "== the same with speculative decoding: draft model (identical text)"
-(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${prompts[@]}" \
+echo "== greedy, plain"
+(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${greedy[@]}")
+echo
+echo "== greedy with speculative decoding from the draft model (identical text; acceptance rate below)"
+(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${greedy[@]}" \
   --speculative-config "{\"method\": \"draft\", \"draft_model\": \"$draft\", \"num_speculative_tokens\": 4}")
 echo
 exec bash "$TIDEPOOL_ROOT/scripts/serve_demo.sh"

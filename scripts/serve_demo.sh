@@ -27,7 +27,7 @@ import sys
 import openai
 
 client = openai.OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
-prompt = "def read_config(path):\n    \"\"\""
+prompt = "import os\nimport sys\n\n\ndef main("
 print(prompt, end="", flush=True)
 stream = client.completions.create(
     model="demo",
