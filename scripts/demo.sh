@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo (README.md): set up the environment, train the demo model pair once (cached afterwards),
-# generate with it offline — plainly, then with speculative decoding from the draft model (greedy
-# output is identical; the acceptance rate is printed) — then serve it: start `tidepool serve`, stream
+# generate with it offline — plainly, then with speculative decoding (the draft model, then n-gram
+# lookup; greedy output is identical; acceptance rates are printed) — then serve it: start `tidepool serve`, stream
 # a completion, print metrics, stop cleanly.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
@@ -19,8 +19,11 @@ echo
 echo "== greedy, plain"
 (cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${greedy[@]}")
 echo
-echo "== greedy with speculative decoding from the draft model (identical text; acceptance rate below)"
-(cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${greedy[@]}" \
-  --speculative-config "{\"method\": \"draft\", \"draft_model\": \"$draft\", \"num_speculative_tokens\": 4}")
-echo
+for config in "{\"method\": \"draft\", \"draft_model\": \"$draft\", \"num_speculative_tokens\": 4}" \
+              '{"method": "ngram", "num_speculative_tokens": 4}'; do
+  echo "== greedy with speculative decoding $config (identical text; acceptance rate below)"
+  (cd /tmp && tidepool --log-level WARNING generate --model "$target" --max-tokens 48 "${greedy[@]}" \
+    --speculative-config "$config")
+  echo
+done
 exec bash "$TIDEPOOL_ROOT/scripts/serve_demo.sh"
