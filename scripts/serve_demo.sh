@@ -60,4 +60,4 @@ if [[ "$status" -ne 0 ]]; then
 fi
 grep -E "drained|KV blocks free" "$log" || true
 echo "server stopped cleanly (exit 0)"
-echo "(a 22M-parameter model trained for minutes on the Python standard library: Python-looking text, not code that runs)"
+echo "(a 22M-parameter model trained for under an hour on the Python standard library: Python-looking text, not code that runs)"
