@@ -6,7 +6,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
-echo "== the demo model pair (trained on the first run: ~30-45 min on 2 cores; cached afterwards)"
+echo "== the demo model pair (trained on the first run: up to ~70 min on 2 cores; cached afterwards)"
 models="$(bash scripts/demo_models.sh)"
 target="$(sed -n 1p <<<"$models")"
 draft="$(sed -n 2p <<<"$models")"
