@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds (once per machine) the trained demo model pair, $TIDEPOOL_CACHE/models/demo-target and
-# demo-draft, and prints the two folders. Deterministic; about 30 minutes on 2 idle CPU cores the
+# demo-draft, and prints the two folders. Deterministic; 70 minutes measured on 2 busy CPU cores the
 # first time, instant afterwards (the folders carry a build key; a matching key skips training).
 # Extra arguments go to scripts/train_demo_models.py (e.g. --force, --only target).
 set -euo pipefail
