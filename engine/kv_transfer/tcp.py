@@ -62,31 +62,27 @@ class KVSender:
 
     async def wait_sent_async(self, transfer_id: str) -> None:
         """`wait_sent` for an event loop: awaits the acknowledgement without holding a thread."""
-        with self._lock:
-            future = self._futures.get(transfer_id)
-        if future is None:
-            raise KVTransferError(f"no KV transfer {transfer_id} was started (the prefill produced no token?)")
+        future = self._take_future(transfer_id)
         try:
             await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except TimeoutError as err:
             raise KVTransferError(f"KV transfer {transfer_id} was not acknowledged in time") from err
-        finally:
-            with self._lock:
-                self._futures.pop(transfer_id, None)
 
     def wait_sent(self, transfer_id: str, timeout_s: float | None = None) -> None:
         """Block until the transfer was acknowledged; raises KVTransferError with the reason otherwise."""
-        with self._lock:
-            future = self._futures.get(transfer_id)
-        if future is None:
-            raise KVTransferError(f"no KV transfer {transfer_id} was started (the prefill produced no token?)")
+        future = self._take_future(transfer_id)
         try:
             future.result(timeout=timeout_s if timeout_s is not None else self.timeout_s)
         except TimeoutError as err:
             raise KVTransferError(f"KV transfer {transfer_id} was not acknowledged in time") from err
-        finally:
-            with self._lock:
-                self._futures.pop(transfer_id, None)
+
+    def _take_future(self, transfer_id: str) -> Future[None]:
+        """The send's future, forgotten here: whoever waits on it is its only reader."""
+        with self._lock:
+            future = self._futures.pop(transfer_id, None)
+        if future is None:
+            raise KVTransferError(f"no KV transfer {transfer_id} was started (the prefill produced no token?)")
+        return future
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -145,10 +141,7 @@ class KVReceiver:
                     return entry[1]
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
-                    raise KVTransferError(
-                        f"KV transfer {transfer_id} did not arrive within {timeout_s:.0f}s; "
-                        "the prefill engine failed or the router sent the request to the wrong decode replica"
-                    )
+                    raise _not_arrived(transfer_id, timeout_s)
                 self._cond.wait(remaining)
 
     async def take_async(self, transfer_id: str, timeout_s: float) -> KVPayload:
@@ -164,10 +157,7 @@ class KVReceiver:
         try:
             return await asyncio.wait_for(future, timeout_s)
         except TimeoutError as err:
-            raise KVTransferError(
-                f"KV transfer {transfer_id} did not arrive within {timeout_s:.0f}s; "
-                "the prefill engine failed or the router sent the request to the wrong decode replica"
-            ) from err
+            raise _not_arrived(transfer_id, timeout_s) from err
         finally:
             with self._cond:
                 self._waiters.pop(transfer_id, None)
@@ -233,3 +223,10 @@ def _hand_over(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[KVPayload
     except RuntimeError:  # the loop is closed
         return False
     return True
+
+
+def _not_arrived(transfer_id: str, timeout_s: float) -> KVTransferError:
+    return KVTransferError(
+        f"KV transfer {transfer_id} did not arrive within {timeout_s:.0f}s; "
+        "the prefill engine failed or the router sent the request to the wrong decode replica"
+    )
