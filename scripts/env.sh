@@ -8,7 +8,9 @@ set -euo pipefail
 TIDEPOOL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export TIDEPOOL_CACHE="${TIDEPOOL_CACHE:-$HOME/.cache/tidepool}"
 _key="$(cat "$TIDEPOOL_ROOT/pyproject.toml" "$TIDEPOOL_ROOT/setup.py" "$TIDEPOOL_ROOT/scripts/constraints.txt" | sha256sum | cut -c1-16)"
-TIDEPOOL_VENV="$TIDEPOOL_CACHE/venv-$_key"
+# TIDEPOOL_VENV (optional) names an existing environment to use instead, e.g. one per working tree
+# when several clones are worked on at once (the editable install below points it at this clone).
+TIDEPOOL_VENV="${TIDEPOOL_VENV:-$TIDEPOOL_CACHE/venv-$_key}"
 if [[ ! -f "$TIDEPOOL_VENV/.complete" ]]; then
   echo "== creating Python environment $TIDEPOOL_VENV (first run on this machine: a few minutes)"
   rm -rf "$TIDEPOOL_VENV"
