@@ -282,4 +282,4 @@ def test_engine_args_parse_with_tidepool_serve(s):
         assert args.quantization == (None if quantization in (None, "none") else quantization)
         if s["engine"].get("speculative"):
             config = json.loads(args.speculative_config)
-            assert config["model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4
+            assert config["draft_model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4
