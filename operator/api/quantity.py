@@ -1,15 +1,19 @@
-"""Kubernetes resource quantities: the exact value a string stands for, and the canonical form the API server stores.
+"""Kubernetes resource quantities as the API server stores them in a resource list: exact value and canonical form.
 
-The API server re-serialises every typed quantity (pod resources, PVC sizes) in canonical form:
-"0.5" -> "500m", "1000m" -> "1", "1024Mi" -> "1Gi", "1.5Gi" -> "1536Mi". Builders that emit
-canonical quantities therefore read back exactly what they wrote, and comparing a desired and an
-observed quantity is comparing `quantity_value`s (or canonical strings), never raw strings.
+Builders put quantities only into core resource lists (container requests/limits, PVC storage
+requests). The API server rounds those up to milli precision (core/v1 `SetDefaults_ResourceList`:
+"0.0001" and "1n" become "1m") and re-serialises them in canonical form: "0.5" -> "500m",
+"1000m" -> "1", "1024Mi" -> "1Gi", "1.5Gi" -> "1536Mi". A builder that emits
+`canonical_quantity(x)` therefore reads back exactly the string it wrote (a fixed point, checked
+against a real API server in tests/controlplane/test_cp_quantity.py), and a drift check may
+compare strings, or `quantity_value`s when one side was written by hand.
 
 Canonical form (apimachinery's `resource.Quantity`): the suffix family of the input is kept
 (decimal SI `m k M G …`, binary SI `Ki Mi Gi …`, or a decimal exponent `e3`); the number is
-written without fractional digits and with the largest suffix that keeps it exact; a value finer
-than 1n is rounded up to the next nano (away from zero); a binary-SI value below 1024 or not a
-whole number is written in decimal SI. Values are exact rationals here, never floats.
+written without fractional digits, sign or leading zeros, and with the largest suffix that keeps
+it exact; a binary-SI value below 1024 or not a whole number is written in decimal SI. Values are
+exact rationals here, never floats. (Above 999E there is no SI suffix: older API servers then
+drop the exponent, newer ones write `e21`; this module writes the latter. No resource is that big.)
 
 Invariant: `QUANTITY_RE` is the one grammar; the API's `Quantity` type validates with it.
 """
@@ -29,7 +33,7 @@ DECIMAL_EXPONENTS = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "
 BINARY_EXPONENTS = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _DECIMAL_SUFFIX = {exp: suffix for suffix, exp in DECIMAL_EXPONENTS.items()}
 _BINARY_SUFFIX = {exp // 10: suffix for suffix, exp in BINARY_EXPONENTS.items()} | {0: ""}
-_NANO = 10**9
+_MILLI = 10**3  # resource lists are rounded up to this precision
 
 
 def _parse(value: str | int) -> tuple[Fraction, str]:
@@ -59,23 +63,23 @@ def is_quantity(value: object) -> bool:
 
 
 def quantity_value(value: str | int) -> Fraction:
-    """The exact value, rounded up to 1n as the API server does ("0.1n" is 1n)."""
+    """The amount a resource list holds for this quantity: exact, rounded up to 1m as the API server does."""
     exact, _ = _parse(value)
-    return Fraction(math.ceil(exact * _NANO), _NANO)
+    return Fraction(math.ceil(exact * _MILLI), _MILLI)
 
 
 def canonical_quantity(value: str | int) -> str:
-    """The string the API server stores for this quantity (see the module docstring)."""
+    """The string the API server stores for this quantity in a resource list (see the module docstring)."""
     exact, family = _parse(value)
-    nanos = math.ceil(exact * _NANO)
-    if nanos == 0:
+    millis = math.ceil(exact * _MILLI)
+    if millis == 0:
         return "0"
-    if family == "binary" and nanos % _NANO == 0 and nanos >= 1024 * _NANO:
-        whole, power = nanos // _NANO, 0
+    if family == "binary" and millis % _MILLI == 0 and millis >= 1024 * _MILLI:
+        whole, power = millis // _MILLI, 0
         while whole % 1024 == 0 and power < max(_BINARY_SUFFIX):
             whole, power = whole // 1024, power + 1
         return f"{whole}{_BINARY_SUFFIX[power]}"
-    mantissa, exponent = nanos, -9
+    mantissa, exponent = millis, -3
     while mantissa % 10 == 0:
         mantissa, exponent = mantissa // 10, exponent + 1
     shift = exponent % 3  # lower the exponent to a multiple of 3, keeping the mantissa whole
