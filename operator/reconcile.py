@@ -218,7 +218,7 @@ async def reconcile(
         ]
         pools.append(observe_pool(pool, replicas[pool], workloads))
     router_obj = current.get(("Deployment", f"{name}-router"))
-    router = observe_pool("router", view.router_replicas, [router_obj] if router_obj else [])
+    router = observe_pool("router", view.router.replicas, [router_obj] if router_obj else [])
     outcome = Outcome(apply_error=apply_error, scaling_limit=scaling_limit)
     if not all(p.is_ready for p in [*pools, router]):
         pods = await client.list("Pod", namespace, f"{LABEL_SERVICE}={name}")
@@ -226,7 +226,7 @@ async def reconcile(
         outcome.pod_problems = pod_problems(pool_of, pods)
     url = (
         router_url(name, namespace)
-        if view.router_replicas
+        if view.router.replicas
         else f"http://{name}-{view.pool_names[-1]}.{namespace}.svc:8000"
     )
     status = build_status(

@@ -33,6 +33,7 @@ import torch
 STORE_KEY_ADDRESS = "tidepool/control_address"
 STORE_KEY_SECRET = "tidepool/control_key"
 _MAX_KEY_BYTES = 64
+_KEEPALIVE_IDLE_S = 30
 
 
 def send(conn: Connection, message: Any) -> None:
@@ -57,9 +58,19 @@ def connect(address: str, key: bytes, timeout: float) -> Connection:
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     sock.settimeout(None)
+    _keepalive(sock)
     conn = Connection(sock.detach())
     conn.send_bytes(key)
     return conn
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Probe an idle channel so that a driver whose node vanished (no FIN, no RST) ends the worker's wait
+    within about a minute, instead of the kernel's two hours: the worker then exits and its probes fail."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", _KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux; other platforms keep their defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def accept(server: socket.socket, key: bytes, timeout: float) -> Connection:

@@ -1,5 +1,6 @@
 """Starting worker processes: on the driver's node (by the executor) and on other nodes (`tidepool serve
---node-rank R` with R > 0, which runs workers only and exits when the group shuts down).
+--node-rank R` with R > 0, which runs workers only, answers the kubelet's probes on its --port
+(health.py), and exits when the group shuts down).
 
 Workers are started with multiprocessing's `spawn` (a fresh interpreter: no forked torch or
 CUDA state). A script that builds `LLM(..., tensor_parallel_size=N)` at import time therefore
@@ -12,10 +13,15 @@ import logging
 import multiprocessing
 import signal
 import socket
+import threading
+from collections.abc import Mapping
+from http.server import ThreadingHTTPServer
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import Any
 
 from ..engine_config import EngineConfig
+from .health import NodeHealth, serve_health
 from .parallel_state import DEFAULT_MASTER_PORT, ParallelConfig
 from .worker import WorkerArgs, worker_main
 
@@ -37,15 +43,20 @@ def spawn_workers(
     master_addr: str,
     master_port: int,
     skip_rank: int = 0,
+    ready_flags: Mapping[int, Any] | None = None,
 ) -> dict[int, BaseProcess]:
-    """Start this node's ranks except `skip_rank`, which runs in the calling process (rank 0: the driver)."""
+    """Start this node's ranks except `skip_rank`, which runs in the calling process (rank 0: the driver).
+
+    `ready_flags` (rank -> a multiprocessing Event of the spawn context): set by each rank once loaded.
+    """
     context = multiprocessing.get_context("spawn")
     ranks = parallel.node_ranks(node_rank)
     procs: dict[int, BaseProcess] = {}
     for rank in ranks:
         if rank == skip_rank:
             continue
-        args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port)
+        ready = (ready_flags or {}).get(rank)
+        args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port, ready)
         proc = context.Process(target=worker_main, args=(args,), name=f"tidepool-rank{rank}", daemon=True)
         proc.start()
         procs[rank] = proc
@@ -65,31 +76,60 @@ def stop_processes(procs: dict[int, BaseProcess], timeout: float = _STOP_TIMEOUT
             proc.join(2.0)
 
 
-def run_worker_node(config: EngineConfig, parallel: ParallelConfig, node_rank: int) -> int:
-    """Run node `node_rank`'s ranks as workers until the group shuts down; 0 when all exited cleanly."""
+def run_worker_node(
+    config: EngineConfig,
+    parallel: ParallelConfig,
+    node_rank: int,
+    health_address: tuple[str, int] | None = None,
+) -> int:
+    """Run node `node_rank`'s ranks as workers until the group shuts down; 0 when all exited cleanly.
+
+    With `health_address` (host, port) the node answers the kubelet's /health and /ready there
+    (see health.py); the port is bound before any rank starts.
+    """
     parallel.validate()
     if not 0 < node_rank < parallel.nnodes:
         raise ValueError(f"node_rank={node_rank} must be in [1, nnodes={parallel.nnodes}) for a worker node")
     port = parallel.master_port or DEFAULT_MASTER_PORT
-    first = parallel.node_ranks(node_rank).start
-    # The node's first rank runs in this process (one torch start-up fewer); the others are spawned.
-    procs = spawn_workers(config, parallel, node_rank, parallel.master_addr, port, skip_rank=first)
-    logger.info(
-        "node %d: ranks %s, driver at %s:%d",
-        node_rank, [first, *procs], parallel.master_addr, port,
-    )  # fmt: skip
+    ranks = parallel.node_ranks(node_rank)
+    first = ranks.start
+    context = multiprocessing.get_context("spawn")
+    ready = {rank: threading.Event() if rank == first else context.Event() for rank in ranks}
+    procs: dict[int, BaseProcess] = {}
+    health = NodeHealth(list(ready.values()), lambda: all(proc.is_alive() for proc in procs.values()))
+    server = _serve_health(health_address, health) if health_address else None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
-        worker_main(WorkerArgs(first, 0, parallel, config, parallel.master_addr, port), in_process=True)
+        # The node's first rank runs in this process (one torch start-up fewer); the others are spawned.
+        procs.update(spawn_workers(config, parallel, node_rank, parallel.master_addr, port, first, ready))
+        logger.info(
+            "node %d: ranks %s, driver at %s:%d",
+            node_rank, [first, *procs], parallel.master_addr, port,
+        )  # fmt: skip
+        args = WorkerArgs(first, 0, parallel, config, parallel.master_addr, port, ready[first])
+        worker_main(args, in_process=True)
+        health.stop("the group shut down (the driver closed the control channel)")
         for proc in procs.values():
             proc.join()
     finally:
+        health.stop("this node is shutting down")
         signal.signal(signal.SIGTERM, previous)
         stop_processes(procs, timeout=0.0)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     codes = {first: 0} | {rank: proc.exitcode for rank, proc in procs.items()}
     logger.info("node %d: workers exited with %s", node_rank, codes)
     return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _serve_health(address: tuple[str, int], health: NodeHealth) -> ThreadingHTTPServer:
+    host, port = address
+    try:
+        return serve_health(host, port, health)
+    except OSError as err:
+        raise ValueError(f"cannot serve the worker node's health endpoint on {host}:{port}: {err}") from err

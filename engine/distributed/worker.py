@@ -30,6 +30,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,8 @@ class WorkerArgs:
     engine: EngineConfig
     master_addr: str
     master_port: int
+    # Set once this rank has loaded and joined the driver (a worker node's health endpoint reads it).
+    ready: Any = None
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -150,6 +153,8 @@ class _Worker:
             info.rank, info.pp_rank, self.stage.num_local_layers, info.tp_rank, self.device,
         )  # fmt: skip
         comm.send(self.conn, ("ready", args.rank))
+        if args.ready is not None:
+            args.ready.set()
         self._loop()
         destroy_groups()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -18,70 +17,21 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from .. import serve_flags
+
 logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tidepool serve", description="OpenAI-compatible server for one model")
-    parser.add_argument("--model", required=True, help="local Hugging Face model folder")
-    engine = parser.add_argument_group("engine (as LLM(...))")
-    engine.add_argument("--tokenizer", default=None, help="tokenizer folder; default: the model folder")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="auto", help="'auto', 'cpu', 'cuda' or 'cuda:N'")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget on CPU")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument(
-        "--quantization",
-        default=None,
-        choices=["int8", "int4", "gptq", "awq"],
-        help="check a quantized checkpoint's method, or quantize a dense folder to int8/int4 at load",
+    """The parser generated from the serve-flag table (tidepool.engine.serve_flags).
+
+    Abbreviations are off: the operator refuses its own flags in `engine.extraArgs` by exact name,
+    and `--max-num=8` must not slip past that as a prefix of `--max-num-seqs`.
+    """
+    parser = argparse.ArgumentParser(
+        prog="tidepool serve", description="OpenAI-compatible server for one model", allow_abbrev=False
     )
-    engine.add_argument(
-        "--speculative-config",
-        default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
-        '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',
-    )
-    disagg = parser.add_argument_group("prefill/decode disaggregation")
-    disagg.add_argument(
-        "--role",
-        default="unified",
-        choices=["unified", "prefill", "decode"],
-        help="'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port",
-    )
-    disagg.add_argument("--kv-port", type=int, default=14579, help="TCP port of the KV receiver (decode role)")
-    disagg.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="seconds a KV transfer may take")
-    parallel = parser.add_argument_group("parallelism (one replica over several ranks, optionally several nodes)")
-    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
-    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
-    parallel.add_argument("--nnodes", type=int, default=1, help="nodes the tp x pp ranks span (tp*pp/nnodes each)")
-    parallel.add_argument(
-        "--node-rank", type=int, default=0, help="this node's index: 0 serves HTTP, others run worker ranks only"
-    )
-    parallel.add_argument("--master-addr", default=None, help="node 0's address; default $MASTER_ADDR or 127.0.0.1")
-    parallel.add_argument(
-        "--master-port", type=int, default=None, help="rendezvous port on node 0; default $MASTER_PORT or 29500"
-    )
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="0.0.0.0")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--served-model-name", default=None, help="the model id clients use; default: --model")
-    server.add_argument(
-        "--max-queue-len", type=int, default=1024, help="engine requests allowed to wait before new requests get 429"
-    )
-    server.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 429")
-    server.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
-    )
-    server.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    serve_flags.add_to_parser(parser)
     return parser
 
 
@@ -96,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _server_config(args)
         if args.node_rank != 0:  # a worker-only node: no HTTP, no scheduler; exits when the group shuts down
-            return _run_worker_node(config.engine, args.node_rank)
+            return _run_worker_node(config.engine, args.node_rank, args.host, args.port)
     except ValueError as err:
         print(f"tidepool serve: error: {err}", file=sys.stderr)
         return 2
@@ -111,33 +61,11 @@ def _server_config(args: argparse.Namespace) -> Any:
 
     if not Path(args.model).is_dir():
         raise ValueError(f"model folder {args.model} does not exist")
-    engine = EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
-        show_progress=False,
-        speculative=_speculative_config(args.speculative_config),
-        quantization=args.quantization,
-        kv_role=args.role,
-        kv_port=args.kv_port,
-        kv_transfer_timeout_s=args.kv_transfer_timeout,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        nnodes=args.nnodes,
-        master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1",
-        master_port=_master_port(args),
-    )
+    kwargs = serve_flags.engine_kwargs(args)
+    # The rendezvous may also come from the environment (torchrun's MASTER_ADDR / MASTER_PORT).
+    kwargs.update(master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    kwargs.update(master_port=_master_port(args))
+    engine = EngineConfig(**kwargs, show_progress=False)
     return ServerConfig(
         engine=engine,
         model_name=args.served_model_name or args.model,
@@ -160,23 +88,12 @@ def _master_port(args: argparse.Namespace) -> int | None:
     return 29500 if args.nnodes > 1 else None
 
 
-def _run_worker_node(engine: Any, node_rank: int) -> int:
+def _run_worker_node(engine: Any, node_rank: int, host: str, port: int) -> int:
+    """Worker ranks only; the kubelet probes them through a health endpoint on the same host:port as node 0's API."""
     from ..distributed.launch import run_worker_node
     from ..distributed.parallel_state import ParallelConfig
 
-    return run_worker_node(engine, ParallelConfig.from_engine(engine), node_rank)
-
-
-def _speculative_config(raw: str | None) -> dict[str, Any] | None:
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--speculative-config is not valid JSON ({err}); pass a JSON object") from err
-    if not isinstance(value, dict):
-        raise ValueError('--speculative-config must be a JSON object, e.g. {"method": "ngram", ...}')
-    return value
+    return run_worker_node(engine, ParallelConfig.from_engine(engine), node_rank, health_address=(host, port))
 
 
 def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:

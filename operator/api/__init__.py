@@ -16,12 +16,19 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
   (`spec.pods_per_replica()`, `spec.gpus_per_pod()`), so pipeline > 1 spans nodes.
 - `validate_spec(spec, name)` returns the messages of the cross-field rules the spec breaks: the
   same rules and messages the CRD's CEL makes the API server enforce (see rules.py).
+- `ServiceView.from_spec(spec)` (view.py) is the one derived view the builders and the autoscaler
+  read: the validated spec's own models plus per-pool replicas, bounds and resources; `SpecError`
+  for a spec that can never be reconciled. No reader keeps defaults of its own.
+- Engine settings: `EngineSpec` fields marked `ServeFlagRef` pass through as that `tidepool serve`
+  flag (`serve_flag_fields()`), with the flag table's default (tidepool.engine.serve_flags, torch-free).
+- Quantities: `canonical_quantity` / `quantity_value` (quantity.py), the API server's canonical form.
 - Conditions: Ready, Progressing, Degraded, ScalingLimited; `status.set_condition(...)` moves
   lastTransitionTime only when the status changes.
 
-Never imports torch (the operator image has none).
+Never imports torch (the operator image has none); of the engine it imports only the flag table.
 """
 
+from tidepool.operator.api.quantity import canonical_quantity, quantity_value
 from tidepool.operator.api.resource import (
     API_VERSION,
     CATEGORIES,
@@ -57,10 +64,12 @@ from tidepool.operator.api.spec import (
     RolloutSpec,
     RouterSpec,
     ScaleToZero,
+    ServeFlagRef,
     Slo,
     Speculative,
     Stabilization,
     Toleration,
+    serve_flag_fields,
 )
 from tidepool.operator.api.status import (
     CONDITION_TYPES,
@@ -71,6 +80,7 @@ from tidepool.operator.api.status import (
     PoolStatus,
     now_rfc3339,
 )
+from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
 __all__ = [
     "API_VERSION",
@@ -104,6 +114,7 @@ __all__ = [
     "PodOverrides",
     "PoolSpec",
     "PoolStatus",
+    "PoolView",
     "Pools",
     "PrefillDecodeRatio",
     "ResourceOverrides",
@@ -112,11 +123,17 @@ __all__ = [
     "RouterSpec",
     "Rule",
     "ScaleToZero",
+    "ServeFlagRef",
+    "ServiceView",
     "Slo",
+    "SpecError",
     "Speculative",
     "Stabilization",
     "Toleration",
+    "canonical_quantity",
     "now_rfc3339",
+    "quantity_value",
+    "serve_flag_fields",
     "status_patch",
     "validate_spec",
 ]

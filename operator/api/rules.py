@@ -17,34 +17,22 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tidepool.engine.serve_flags import managed_spellings
 from tidepool.operator.api import spec as s
 
-URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?|file:///.+)$"
-URI_MESSAGE = "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or file:///path"
-EXTRA_ARG_RE = r"^--[a-z0-9][-a-z0-9]*(=.*)?$"
-# `tidepool serve` flags the operator derives from the spec; setting them again via extraArgs would
-# fight the spec (and the engine's argparse takes the last one, silently).
-MANAGED_FLAGS = (
-    "model",
-    "tokenizer",
-    "host",
-    "port",
-    "served-model-name",
-    "dtype",
-    "block-size",
-    "max-model-len",
-    "max-num-seqs",
-    "max-num-batched-tokens",
-    "gpu-memory-utilization",
-    "enable-prefix-caching",
-    "no-enable-prefix-caching",
-    "enable-chunked-prefill",
-    "no-enable-chunked-prefill",
-    "tensor-parallel-size",
-    "pipeline-parallel-size",
-    "quantization",
-    "revision",
+URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?)$"
+URI_MESSAGE = "must be hf://org/name, pvc://claim/path or s3://bucket/prefix"
+# file:// would need a hostPath volume: Pod Security "restricted" forbids it, and the operator would mount any
+# node path for whoever may create an InferenceService. A PersistentVolume (local or hostPath, made by an admin)
+# bound to a claim gives the same folder through pvc://, and the pods stay "restricted".
+FILE_URI_MESSAGE = (
+    "model.uri file:// is not supported (it would need a hostPath volume, which Pod Security 'restricted' forbids); "
+    "put the folder on a PersistentVolume (a local or hostPath PV bound to a claim) and use pvc://claim/path"
 )
+EXTRA_ARG_RE = r"^--[a-z0-9][-a-z0-9]*(=.*)?$"
+# `tidepool serve` flags the operator sets on every engine pod (generated from the engine's flag table); setting
+# them again via extraArgs would fight the spec (the engine's argparse takes the last one, silently).
+MANAGED_FLAGS: tuple[str, ...] = tuple(flag.removeprefix("--") for flag in managed_spellings())
 MANAGED_FLAG_RE = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 MAX_NAME_LENGTH = 40
 
@@ -167,9 +155,16 @@ SPEC_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         s.ModelSource,
-        f"self.uri.matches('{URI_RE}')",
+        "!self.uri.startsWith('file://')",
+        FILE_URI_MESSAGE,
+        lambda m: not m.uri.startswith("file://"),
+        ".uri",
+    ),
+    Rule(
+        s.ModelSource,
+        f"self.uri.startsWith('file://') || self.uri.matches('{URI_RE}')",
         f"model.uri {URI_MESSAGE}",
-        lambda m: re.match(URI_RE, m.uri) is not None,
+        lambda m: m.uri.startswith("file://") or re.match(URI_RE, m.uri) is not None,
         ".uri",
     ),
     Rule(
@@ -231,8 +226,8 @@ SPEC_RULES: tuple[Rule, ...] = (
     Rule(
         s.EngineSpec,
         f"self.extraArgs.all(a, !a.matches('{MANAGED_FLAG_RE}'))",
-        "engine.extraArgs must not set flags the operator derives from the spec "
-        "(model, host, port, dtype, parallelism and the engine fields); use the spec fields",
+        "engine.extraArgs must not set flags the operator sets itself (" + ", ".join(managed_spellings()) + "); "
+        "use the spec fields",
         lambda e: not any(re.match(MANAGED_FLAG_RE, a) for a in e.extra_args),
         ".extraArgs",
     ),

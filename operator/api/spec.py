@@ -12,10 +12,12 @@ disaggregated mode. When set it wins over that pool's `replicas`; when unset the
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
+from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.types import DnsSubdomain, IntOrPercent, Quantity, ShortString
 
@@ -26,9 +28,24 @@ POOL_NAMES = (POOL_UNIFIED, POOL_PREFILL, POOL_DECODE)
 DEFAULT_ENGINE_IMAGE = "ghcr.io/tidepool-dev/tidepool:0.1.0"
 
 Mode = Literal["unified", "disaggregated"]
-Quantization = Literal["none", "int8", "int4", "gptq", "awq"]
+# Enumerations the engine defines are taken from its flag table, not copied.
+Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
+Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
 RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
 ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeFlagRef:
+    """Marks an `EngineSpec` field as the value of one `tidepool serve` flag: the builders pass it through as
+    that flag (bools as --x / --no-x), so exposing another engine flag is one annotated field here."""
+
+    name: str
+
+
+def serve_flag_field(name: str, **kwargs: Any) -> Any:
+    """A Field whose default is the engine's own default for flag `name` (one source for both)."""
+    return Field(default=FLAGS[name].default, **kwargs)
 
 
 class ModelSource(ApiModel):
@@ -37,7 +54,8 @@ class ModelSource(ApiModel):
     uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
         description=(
             "Model location: hf://org/name (Hugging Face Hub), pvc://claim/path (a folder on a PersistentVolumeClaim "
-            "in this namespace), s3://bucket/prefix, or file:///path (a folder already present on the node)."
+            "in this namespace; for a folder already on a node, bind a local or hostPath PersistentVolume to a "
+            "claim), or s3://bucket/prefix."
         )
     )
     revision: ShortString | None = Field(
@@ -70,26 +88,44 @@ class EngineSpec(ApiModel):
     image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
         default=DEFAULT_ENGINE_IMAGE, description="Container image holding the `tidepool` engine."
     )
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        default="auto", description="Activation/weight dtype; auto uses the checkpoint's."
+    dtype: Annotated[Dtype, ServeFlagRef("dtype")] = serve_flag_field(
+        "dtype", description="Activation/weight dtype; auto uses the checkpoint's."
     )
-    max_model_len: int | None = Field(
-        default=None, ge=16, le=1_048_576, description="Longest prompt+output in tokens; unset uses the model's."
+    max_model_len: Annotated[int | None, ServeFlagRef("max-model-len")] = serve_flag_field(
+        "max-model-len", ge=16, le=1_048_576, description="Longest prompt+output in tokens; unset uses the model's."
     )
-    max_num_seqs: int = Field(default=256, ge=1, le=4096, description="Most sequences scheduled in one step.")
-    max_num_batched_tokens: int | None = Field(
-        default=None,
+    max_num_seqs: Annotated[int, ServeFlagRef("max-num-seqs")] = serve_flag_field(
+        "max-num-seqs", ge=1, le=4096, description="Most sequences scheduled in one step."
+    )
+    max_num_batched_tokens: Annotated[int | None, ServeFlagRef("max-num-batched-tokens")] = serve_flag_field(
+        "max-num-batched-tokens",
         ge=16,
         le=1_048_576,
         description="Token budget of one engine step; must be at least maxNumSeqs. Unset lets the engine choose.",
     )
-    block_size: Literal[8, 16, 32, 64, 128] = Field(default=16, description="Tokens per KV-cache block.")
-    gpu_memory_utilization: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use (weights + KV cache)."
+    block_size: Annotated[Literal[8, 16, 32, 64, 128], ServeFlagRef("block-size")] = serve_flag_field(
+        "block-size", description="Tokens per KV-cache block."
     )
-    prefix_caching: bool = Field(default=True, description="Reuse KV blocks of shared prompt prefixes.")
-    chunked_prefill: bool = Field(
-        default=True, description="Split long prompts across steps so decodes are not stalled behind them."
+    gpu_memory_utilization: Annotated[float, ServeFlagRef("gpu-memory-utilization")] = serve_flag_field(
+        "gpu-memory-utilization",
+        gt=0.0,
+        le=1.0,
+        description="Fraction of GPU memory the engine may use (weights + KV cache).",
+    )
+    prefix_caching: Annotated[bool, ServeFlagRef("enable-prefix-caching")] = serve_flag_field(
+        "enable-prefix-caching", description="Reuse KV blocks of shared prompt prefixes."
+    )
+    chunked_prefill: Annotated[bool, ServeFlagRef("enable-chunked-prefill")] = serve_flag_field(
+        "enable-chunked-prefill", description="Split long prompts across steps so decodes are not stalled behind them."
+    )
+    drain_timeout_seconds: Annotated[int, ServeFlagRef("drain-timeout")] = Field(
+        default=int(FLAGS["drain-timeout"].default),  # whole seconds, like terminationGracePeriodSeconds
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds in-flight requests get to finish when a pod stops (scale-down, rollout, eviction); the pod's "
+            "termination grace period is this plus a margin. Raise it for long generations."
+        ),
     )
     speculative: Speculative | None = Field(default=None, description="Speculative decoding; unset disables it.")
     extra_args: list[Annotated[str, StringConstraints(min_length=3, max_length=256)]] = Field(
@@ -97,9 +133,19 @@ class EngineSpec(ApiModel):
         max_length=64,
         description=(
             "Extra `tidepool serve` flags, one `--flag` or `--flag=value` per entry. Flags the operator sets itself "
-            "(--model, --host, --port, parallelism, and every field above) are refused."
+            "are refused (use the spec fields): " + ", ".join(managed_spellings()) + "."
         ),
     )
+
+
+def serve_flag_fields() -> dict[str, str]:
+    """EngineSpec field name -> the `tidepool serve` flag it is passed through as (from the ServeFlagRef marks)."""
+    return {
+        name: mark.name
+        for name, info in EngineSpec.model_fields.items()
+        for mark in info.metadata
+        if isinstance(mark, ServeFlagRef)
+    }
 
 
 class Parallelism(ApiModel):

@@ -3,7 +3,7 @@
 Each type validates in Python with the same rule and message that its CEL carries, so a value
 refused by the API server is refused by the model too. Kubernetes quantities and int-or-percent
 values are `x-kubernetes-int-or-string` on the wire (users write `cpu: 4` as often as `cpu: "4"`)
-and strings in Python (builders put them straight into manifests).
+and strings in Python, kept as written (builders emit them in canonical form, see quantity.py).
 """
 
 from __future__ import annotations
@@ -13,19 +13,18 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
 
-QUANTITY_RE = re.compile(r"^([+]?[0-9]+(\.[0-9]*)?|[+]?\.[0-9]+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+)?$")
+from tidepool.operator.api.quantity import QUANTITY_MESSAGE, is_quantity
+
 PERCENT_RE = re.compile(r"^[0-9]{1,3}%$")
-QUANTITY_MESSAGE = "must be a Kubernetes quantity such as 500m, 4, 16Gi or 100G"
 INT_OR_PERCENT_MESSAGE = "must be a non-negative integer or a percentage such as 25%"
 DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
 
 def _quantity(value: object) -> str:
-    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(text, str) or not QUANTITY_RE.match(text):
+    if not is_quantity(value):
         raise ValueError(f"{value!r} {QUANTITY_MESSAGE}")
-    return text
+    return str(value)
 
 
 def _int_or_percent(value: object) -> int | str:

@@ -1,7 +1,8 @@
-"""Map an InferenceService spec (its camelCase wire dict) to the policy's `AutoscaleConfig` (pure).
+"""Map an InferenceService spec to the policy's `AutoscaleConfig` through the one spec view (pure).
 
-Reads only the field names of the API contract (issue #5), so the policy never depends on how
-`tidepool.operator.api` nests its pydantic classes. Defaults equal the API's defaults.
+Every value comes from `ServiceView` (tidepool.operator.api.view), i.e. from the validated pydantic
+spec with the API's defaults: nothing here has a default of its own. The helpers accept the view,
+the pydantic spec, or the wire dict of a kopf body (validated on the way in).
 """
 
 from __future__ import annotations
@@ -9,45 +10,52 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .policy_types import DECODE, PREFILL, UNIFIED, AutoscaleConfig, PoolBounds
+from pydantic import ValidationError
+
+from tidepool.operator.api import InferenceServiceSpec, ServiceView, SpecError
+
+from .policy_types import AutoscaleConfig, PoolBounds
+
+SpecLike = ServiceView | InferenceServiceSpec | Mapping[str, Any]
 
 
-def pool_names(spec: Mapping[str, Any]) -> tuple[str, ...]:
-    return (PREFILL, DECODE) if spec.get("mode") == "disaggregated" else (UNIFIED,)
+def pool_names(spec: SpecLike) -> tuple[str, ...]:
+    return ServiceView.from_spec(spec).pool_names
 
 
-def is_enabled(spec: Mapping[str, Any]) -> bool:
-    return bool((spec.get("autoscaling") or {}).get("enabled"))
+def is_enabled(spec: SpecLike) -> bool:
+    """autoscaling.enabled of a valid spec; an invalid one is never autoscaled (reconcile reports it Degraded)."""
+    try:
+        return ServiceView.from_spec(spec).autoscaling.enabled
+    except (ValidationError, SpecError):
+        return False
 
 
-def config_from_spec(spec: Mapping[str, Any]) -> AutoscaleConfig:
-    auto = spec.get("autoscaling") or {}
-    slo = auto.get("slo") or {}
-    zero = auto.get("scaleToZero") or {}
-    stab = auto.get("stabilization") or {}
-    ratio = auto.get("prefillDecodeRatio") or {}
-    pools_spec = spec.get("pools") or {}
-    pools = {}
-    for name in pool_names(spec):
-        pool = pools_spec.get(name) or {}
-        pools[name] = PoolBounds(int(pool.get("minReplicas", 1)), int(pool.get("maxReplicas", 4)))
+def declared_replicas(spec: SpecLike) -> dict[str, int]:
+    """Replicas per pool as the spec declares them, spec.replicas (the scale subresource) included."""
+    return ServiceView.from_spec(spec).declared_replicas
 
-    def seconds(ms: Any) -> float | None:
-        return None if ms is None else float(ms) / 1000.0
+
+def config_from_spec(spec: SpecLike) -> AutoscaleConfig:
+    view = ServiceView.from_spec(spec)
+    auto = view.autoscaling
+
+    def seconds(ms: int | None) -> float | None:
+        return None if ms is None else ms / 1000.0
 
     return AutoscaleConfig(
-        pools=pools,
-        is_advisory=auto.get("mode", "active") == "advisory",
-        ttft_p95_s=seconds(slo.get("ttftP95Ms")),
-        itl_p95_s=seconds(slo.get("itlP95Ms")),
-        kv_cache_target=float(auto.get("kvCacheTarget", 0.8)),
+        pools={name: PoolBounds(pool.min_replicas, pool.max_replicas) for name, pool in view.pools.items()},
+        is_advisory=auto.mode == "advisory",
+        ttft_p95_s=seconds(auto.slo.ttft_p95_ms),
+        itl_p95_s=seconds(auto.slo.itl_p95_ms),
+        kv_cache_target=auto.kv_cache_target,
         # 0 would divide by zero; a target of "no waiting at all" is the smallest positive depth.
-        queue_depth_target=max(float(auto.get("queueDepthTarget", 4)), 0.1),
-        scale_to_zero=bool(zero.get("enabled", False)),
-        idle_seconds=float(zero.get("idleSeconds", 300)),
-        up_seconds=float(stab.get("upSeconds", 0)),
-        down_seconds=float(stab.get("downSeconds", 300)),
-        max_step_percent=float(auto.get("maxStepPercent", 100)),
-        pd_ratio_min=float(ratio.get("min", 0.1)),
-        pd_ratio_max=float(ratio.get("max", 4.0)),
+        queue_depth_target=max(float(auto.queue_depth_target), 0.1),
+        scale_to_zero=auto.scale_to_zero.enabled,
+        idle_seconds=float(auto.scale_to_zero.idle_seconds),
+        up_seconds=float(auto.stabilization.up_seconds),
+        down_seconds=float(auto.stabilization.down_seconds),
+        max_step_percent=float(auto.max_step_percent),
+        pd_ratio_min=auto.prefill_decode_ratio.min,
+        pd_ratio_max=auto.prefill_decode_ratio.max,
     )

@@ -36,7 +36,7 @@ from tidepool.operator.api import GROUP, KIND, PLURAL, VERSION, now_rfc3339
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE
 
 from .collector import Collector, EndpointsSource, PrometheusSource, UrlTemplateSource
-from .config import config_from_spec, is_enabled, pool_names
+from .config import config_from_spec, declared_replicas, is_enabled, pool_names
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
 
@@ -85,7 +85,7 @@ async def current_pools(client: Any, namespace: str, name: str, body: Mapping[st
         if replicas is None:
             replicas = (recorded.get(pool) or {}).get("desiredReplicas")
         if replicas is None:
-            replicas = ((spec.get("pools") or {}).get(pool) or {}).get("replicas", 1)
+            replicas = declared_replicas(spec)[pool]
         stuck = [
             c.get("message", "")
             for p in pods

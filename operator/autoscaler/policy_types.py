@@ -3,7 +3,9 @@
 Role: the contract between the policy (`policy.decide`), the collector (which fills
 `PoolSnapshot`s), the operator (which maps the InferenceService spec to `AutoscaleConfig`
 via `config.config_from_spec` and observed workloads to `PoolState`), and the simulator
-(`bench/autoscale_sim.py`), which drives the same policy without Kubernetes.
+(`bench/autoscale_sim.py`), which drives the same policy without Kubernetes. Defaults that
+the API also has are read from the API's pydantic defaults (no copy); the rest are tuning
+knobs the API does not expose.
 
 Invariants:
 - Pool names are "unified", or "prefill" and "decode" (disaggregated).
@@ -18,7 +20,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-UNIFIED, PREFILL, DECODE = "unified", "prefill", "decode"
+from tidepool.operator.api.spec import POOL_DECODE, POOL_PREFILL, POOL_UNIFIED, AutoscalingSpec
+
+UNIFIED, PREFILL, DECODE = POOL_UNIFIED, POOL_PREFILL, POOL_DECODE
+# The API's defaults: what an InferenceService that sets none of autoscaling.* gets. AutoscaleConfig's
+# defaults are these, so the simulator and the operator agree without a copy.
+_API = AutoscalingSpec()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,21 +40,24 @@ class AutoscaleConfig:
     is_advisory: bool = False  # decide and report, never change replicas
     ttft_p95_s: float | None = None  # slo.ttftP95Ms / 1000
     itl_p95_s: float | None = None  # slo.itlP95Ms / 1000
-    kv_cache_target: float = 0.75  # target mean vllm:kv_cache_usage_perc per replica
-    queue_depth_target: float = 4.0  # target waiting requests per replica (prefill pods: waiting + in prefill)
-    scale_to_zero: bool = False
-    idle_seconds: float = 900.0  # no request for this long -> zero replicas
-    up_seconds: float = 0.0  # scale-up stabilization window (min of recommendations within it)
-    down_seconds: float = 300.0  # scale-down stabilization window (max of recommendations within it)
-    max_step_percent: float = 100.0  # one decision changes a pool by at most this % of its replicas
+    kv_cache_target: float = _API.kv_cache_target  # target mean vllm:kv_cache_usage_perc per replica
+    # target waiting requests per replica (prefill pods: waiting + in prefill)
+    queue_depth_target: float = float(_API.queue_depth_target)
+    scale_to_zero: bool = _API.scale_to_zero.enabled
+    idle_seconds: float = float(_API.scale_to_zero.idle_seconds)  # no request for this long -> zero replicas
+    # scale-up stabilization window (min of recommendations within it)
+    up_seconds: float = float(_API.stabilization.up_seconds)
+    # scale-down stabilization window (max of recommendations within it)
+    down_seconds: float = float(_API.stabilization.down_seconds)
+    max_step_percent: float = float(_API.max_step_percent)  # one decision changes a pool by at most this %
     min_step_replicas: int = 4  # ... but scale-up may always add this many (small pools grow fast)
     tolerance: float = 0.1  # |load ratio - 1| within this: no change (anti-flap band)
     # Scale down only while every latency p95 is below this fraction of its SLO: latency is not
     # proportional to load, so a pool near its SLO must not shrink even if utilization says it could.
     down_latency_headroom: float = 0.8
-    # prefill:decode replica ratio bounds (proposed CRD field: autoscaling.prefillDecodeRatio {min, max}).
-    pd_ratio_min: float = 0.1
-    pd_ratio_max: float = 4.0
+    # prefill:decode replica ratio bounds (autoscaling.prefillDecodeRatio {min, max}).
+    pd_ratio_min: float = _API.prefill_decode_ratio.min
+    pd_ratio_max: float = _API.prefill_decode_ratio.max
 
 
 @dataclass(frozen=True, slots=True)

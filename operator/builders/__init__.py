@@ -14,7 +14,10 @@ autoscaler's seam) overrides the spec's replicas per pool.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
+
+from tidepool.operator.api.spec import InferenceServiceSpec, Mode
+from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
 from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, ClusterFeatures, selector_labels, spec_hash
 from .engine import pool_workloads, topology
@@ -30,7 +33,11 @@ from .network import (
     router_url,
     service_monitor,
 )
-from .spec_view import POOLS_BY_MODE, SCALED_POOL, PoolView, ServiceView, SpecError
+
+# Per mode, the pools it runs and the one the scale subresource controls (read from the API's own helpers).
+_BY_MODE = {mode: InferenceServiceSpec.model_construct(mode=mode) for mode in get_args(Mode)}
+POOLS_BY_MODE: dict[str, tuple[str, ...]] = {mode: spec.pool_names() for mode, spec in _BY_MODE.items()}
+SCALED_POOL: dict[str, str] = {mode: spec.scaled_pool() for mode, spec in _BY_MODE.items()}
 
 # Apply order: what others reference first (config, RBAC), then Services, then workloads.
 KIND_ORDER = (
@@ -80,27 +87,28 @@ def desired_replicas(view: ServiceView, replicas_by_pool: Mapping[str, int] | No
 
 def pod_selector(name: str, view: ServiceView) -> str:
     """The label selector of the scaled pool's pods (status.selector, for the scale subresource)."""
-    labels = selector_labels(name, SCALED_POOL[view.mode])
+    labels = selector_labels(name, view.scaled_pool)
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def build_children(
     name: str,
     namespace: str,
-    spec: Mapping[str, Any] | ServiceView,
+    spec: ServiceView | InferenceServiceSpec | Mapping[str, Any],
     features: ClusterFeatures | None = None,
     replicas_by_pool: Mapping[str, int] | None = None,
     owner: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child manifest of one InferenceService, in apply order. Raises SpecError for impossible specs."""
+    """Every child manifest of one InferenceService, in apply order. Raises SpecError (or pydantic's
+    ValidationError for a wire dict of the wrong shape) for impossible specs."""
     features = features or ClusterFeatures()
-    view = spec if isinstance(spec, ServiceView) else ServiceView.from_spec(spec)
+    view = ServiceView.from_spec(spec)
     replicas = desired_replicas(view, replicas_by_pool)
     children: list[dict[str, Any]] = []
     args_by_pool: dict[str, list[str]] = {}
     for pool_name in view.pool_names:
         pool = view.pools[pool_name]
-        topo = topology(view, pool, features)
+        topo = topology(view, features)
         workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, features)
         if not workloads:  # a StatefulSet-group pool scaled to zero still needs its args recorded
             probe = pool_workloads(view, pool, 1, name, namespace, features)

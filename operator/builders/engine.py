@@ -1,13 +1,24 @@
 """Engine pool workloads: the `tidepool serve` container, its pod template, and the workload kind.
 
-One replica fits on a node (tensor × pipeline GPUs ≤ GPUs per node) -> a Deployment.
-One replica spans N nodes -> a LeaderWorkerSet of group size N when the LWS CRD exists, else one
+A replica is one pod per pipeline stage with `tensor` GPUs each. pipeline = 1 -> a Deployment.
+pipeline = N > 1 (multi-node) -> a LeaderWorkerSet of group size N when the LWS CRD exists, else one
 StatefulSet of N pods per replica ("group"), ranks from the pod-index label, all behind one headless
 Service so ranks find rank 0 (`--master-addr`).
 
-Invariants: pure; args are emitted as sorted flag/value pairs (user `extraArgs` last, in their order);
-env sorted by name; the pod template carries `tidepool.dev/spec-hash`, a digest of the template itself,
-so any change to what the pods run changes the hash and rolls the pool.
+Multi-node groups: every rank runs the same template and the same probes. Rank 0 serves the API;
+ranks > 0 serve only `/health` and `/ready` on the same port (engine/distributed/health.py), so a
+rank is Ready exactly when it has loaded and joined its driver, and fails its liveness probe when it
+lost its group. Only rank 0 is in the pool's Service (network.pool_service). A failed rank restarts
+the whole group with LWS (`RecreateGroupOnPodRestart`). A StatefulSet has no group semantics: the
+failed rank's pod restarts alone; rank 0's engine fails at its next step (its /health turns 500 and
+the kubelet restarts it), the other ranks see rank 0's channel close and exit, and every rank then
+rendezvous again through the new rank 0, so the group converges, but later and less cleanly than
+with LWS (install LWS for multi-node pools).
+
+Invariants: pure; args are rendered from the engine's flag table (serve_flags), sorted, user
+`extraArgs` last in their order, and only flags the table marks managed; env sorted by name;
+quantities canonical; the pod template carries `tidepool.dev/spec-hash`, a digest of the template
+itself, so any change to what the pods run changes the hash and rolls the pool.
 """
 
 from __future__ import annotations
@@ -16,6 +27,11 @@ import json
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from tidepool.engine.serve_flags import render_args
+from tidepool.operator.api.quantity import canonical_quantity
+from tidepool.operator.api.spec import serve_flag_fields
+from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
 from .common import (
     ENGINE_PORT,
@@ -27,7 +43,6 @@ from .common import (
     ClusterFeatures,
     child_name,
     container_security_context,
-    flags_to_args,
     labels,
     metadata,
     pod_security_context,
@@ -35,12 +50,13 @@ from .common import (
     sorted_env,
     spec_hash,
 )
-from .sources import CACHE_VOLUME, MODELS_DIR, is_model_uri, model_source
-from .spec_view import PoolView, ServiceView, SpecError
+from .sources import CACHE_VOLUME, MODELS_DIR, model_source
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-PRESTOP_SLEEP_S = 5
+PRESTOP_SLEEP_S = 5  # the pod keeps serving while its endpoint leaves the Services and the router
+# Beyond preStop + drain: uvicorn's graceful shutdown (5 s) and the engine's teardown before the kubelet's SIGKILL.
+DRAIN_MARGIN_S = 15
 PROBE_PERIOD_S = 10
 CONFIG_DIR = "/etc/tidepool"
 
@@ -55,70 +71,65 @@ class Topology:
     workload: str  # "Deployment" | "LeaderWorkerSet" | "StatefulSet"
 
 
-def topology(view: ServiceView, pool: PoolView, features: ClusterFeatures) -> Topology:
+def topology(view: ServiceView, features: ClusterFeatures) -> Topology:
     """A replica is one pod per pipeline stage with `tensor` GPUs each (the API's contract)."""
-    if view.gpus_per_replica == 0:  # CPU replicas (tests, demos): never multi-node
-        if view.pipeline > 1 or view.tensor > 1:
-            raise SpecError("spec.resources.gpusPerReplica 0 (CPU) needs parallelism.tensor = pipeline = 1")
+    tensor, pipeline = view.parallelism.tensor, view.parallelism.pipeline
+    if view.resources.gpus_per_replica == 0:  # CPU replicas: the API rules keep them at tensor = pipeline = 1
         return Topology(0, 1, 0, "Deployment")
-    if view.tensor > features.gpus_per_node:
+    if tensor > features.gpus_per_node:
         raise SpecError(
-            f"parallelism.tensor {view.tensor} needs more GPUs than one node has ({features.gpus_per_node}); "
+            f"parallelism.tensor {tensor} needs more GPUs than one node has ({features.gpus_per_node}); "
             "tensor parallelism stays within a node: lower tensor and raise pipeline"
         )
-    nnodes = view.pipeline
-    if nnodes == 1:
-        return Topology(view.tensor, 1, view.tensor, "Deployment")
+    if pipeline == 1:
+        return Topology(tensor, 1, tensor, "Deployment")
     workload = "LeaderWorkerSet" if features.has_lws else "StatefulSet"
-    return Topology(view.tensor * nnodes, nnodes, view.tensor, workload)
+    return Topology(tensor * pipeline, pipeline, tensor, workload)
 
 
-def startup_budget_s(view: ServiceView, topo: Topology) -> int:
+def startup_budget_s(topo: Topology) -> int:
     """Time allowed for the engine to load: 10 min plus 10 min per GPU of the replica (≥ 30 min from 2 GPUs)."""
     return min(600 * (1 + max(topo.gpus_per_replica, 0)), 4 * 3600)
+
+
+def termination_grace_s(view: ServiceView) -> int:
+    """preStop sleep + the engine's drain (engine.drainTimeoutSeconds) + a margin to shut down."""
+    return PRESTOP_SLEEP_S + view.engine.drain_timeout_seconds + DRAIN_MARGIN_S
 
 
 def engine_flags(
     view: ServiceView, pool: PoolView, topo: Topology, model_path: str, draft_path: str | None, served_name: str
 ) -> dict[str, Any]:
-    """`tidepool serve` flags; the model is served under the InferenceService's name (what clients send)."""
+    """`tidepool serve` flags by name (serve_flags' table); the model is served under the InferenceService's
+    name (what clients send). Engine fields marked with a serve flag in the API pass straight through."""
+    engine = view.engine
     flags: dict[str, Any] = {
-        "--model": model_path,
-        "--served-model-name": served_name,
-        "--host": "0.0.0.0",
-        "--port": ENGINE_PORT,
-        "--dtype": view.dtype,
-        "--max-model-len": view.max_model_len,
-        "--max-num-seqs": view.max_num_seqs,
-        "--max-num-batched-tokens": view.max_num_batched_tokens,
-        "--block-size": view.block_size,
-        "--gpu-memory-utilization": view.gpu_memory_utilization,
-        "--drain-timeout": view.drain_timeout_s,
-        "--enable-prefix-caching" if view.prefix_caching else "--no-enable-prefix-caching": True,
-        "--enable-chunked-prefill" if view.chunked_prefill else "--no-enable-chunked-prefill": True,
-        "--quantization": view.quantization,
+        "model": model_path,
+        "served-model-name": served_name,
+        "host": "0.0.0.0",
+        "port": ENGINE_PORT,
+        "quantization": view.quantization,
+        "tensor-parallel-size": view.parallelism.tensor,
+        "pipeline-parallel-size": view.parallelism.pipeline,
     }
-    if view.tensor > 1:
-        flags["--tensor-parallel-size"] = view.tensor
-    if view.pipeline > 1:
-        flags["--pipeline-parallel-size"] = view.pipeline
-    if view.speculative:
-        spec = {
-            "method": view.speculative.get("method"),
-            "model": draft_path,
-            "num_speculative_tokens": view.speculative.get("numSpeculativeTokens"),
+    flags.update({flag: getattr(engine, field) for field, flag in serve_flag_fields().items()})
+    if engine.speculative is not None:
+        speculative = {
+            "method": engine.speculative.method,
+            "draft_model": draft_path,
+            "num_speculative_tokens": engine.speculative.num_speculative_tokens,
         }
-        flags["--speculative-config"] = json.dumps({k: v for k, v in spec.items() if v is not None}, sort_keys=True)
+        flags["speculative-config"] = {k: v for k, v in speculative.items() if v is not None}
     if pool.name in ("prefill", "decode"):
-        flags["--role"] = pool.name
-        flags["--kv-port"] = KV_PORT
+        flags["role"] = pool.name
+        flags["kv-port"] = KV_PORT
     if topo.nnodes > 1:
         # $(VAR) is expanded by the kubelet from the container's env (see rank_env()).
-        flags["--nnodes"] = topo.nnodes
         is_lws = topo.workload == "LeaderWorkerSet"  # LWS injects these two into every container
-        flags["--node-rank"] = "$(LWS_WORKER_INDEX)" if is_lws else "$(TIDEPOOL_NODE_RANK)"
-        flags["--master-addr"] = "$(LWS_LEADER_ADDRESS)" if is_lws else "$(TIDEPOOL_MASTER_ADDR)"
-        flags["--master-port"] = MASTER_PORT
+        flags["nnodes"] = topo.nnodes
+        flags["node-rank"] = "$(LWS_WORKER_INDEX)" if is_lws else "$(TIDEPOOL_NODE_RANK)"
+        flags["master-addr"] = "$(LWS_LEADER_ADDRESS)" if is_lws else "$(TIDEPOOL_MASTER_ADDR)"
+        flags["master-port"] = MASTER_PORT
     return flags
 
 
@@ -144,16 +155,15 @@ def rank_env(service: str, namespace: str, pool: str, topo: Topology) -> dict[st
     return {}
 
 
-def _resources(view: ServiceView, pool: PoolView, topo: Topology) -> dict[str, Any]:
+def _resources(pool: PoolView, topo: Topology) -> dict[str, Any]:
+    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if topo.gpus_per_pod:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(topo.gpus_per_pod)
-    cpu, memory = pool.cpu or view.cpu, pool.memory or view.memory
-    if cpu:
-        requests["cpu"] = limits["cpu"] = str(cpu)
-    if memory:
-        requests["memory"] = limits["memory"] = str(memory)
+    for name, value in (("cpu", pool.resources.cpu), ("memory", pool.resources.memory)):
+        if value is not None:
+            requests[name] = limits[name] = canonical_quantity(value)
     return {"requests": requests, "limits": limits}
 
 
@@ -169,31 +179,30 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def pod_template(
     view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
 ) -> dict[str, Any]:
-    hf_image = features.hf_download_image or view.image
+    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring)."""
+    hf_image = features.hf_download_image or view.engine.image
     s3_image = features.s3_download_image
     model = model_source(
-        view.model_uri, view.model_revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image
+        view.model.uri, view.model.revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image
     )
     sources = [model]
     draft_path = None
-    draft = (view.speculative or {}).get("draftModel")
-    if draft and is_model_uri(draft):
+    speculative = view.engine.speculative
+    if speculative is not None and speculative.draft_model is not None:
         src = model_source(
-            draft, None, field="spec.engine.speculative.draftModel", hf_image=hf_image,
-            s3_image=features.s3_download_image, name="draft",
+            speculative.draft_model, None, field="spec.engine.speculative.draftModel", hf_image=hf_image,
+            s3_image=s3_image, name="draft",
         )  # fmt: skip
         sources.append(src)
         draft_path = src.path
-    elif draft:
-        draft_path = draft
-    flags = engine_flags(view, pool, topo, model.path, draft_path, name)
+    args = render_args(engine_flags(view, pool, topo, model.path, draft_path, name), managed_only=True)
     env = {"HOME": "/tmp", "HF_HOME": f"{MODELS_DIR}/.hf-home", **rank_env(name, namespace, pool.name, topo)}
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     if pool.name in ("prefill", "decode"):
         ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
     if topo.nnodes > 1:
         ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
-    startup_failures = math.ceil(startup_budget_s(view, topo) / PROBE_PERIOD_S)
+    startup_failures = math.ceil(startup_budget_s(topo) / PROBE_PERIOD_S)
     mounts = [
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -212,12 +221,13 @@ def pod_template(
             mounts.append(src.mount)
     container = {
         "name": "engine",
-        "image": view.image,
+        "image": view.engine.image,
         "command": ["tidepool", "serve"],
-        "args": flags_to_args(flags) + list(view.extra_args),
+        "args": args + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
-        "resources": _resources(view, pool, topo),
+        "resources": _resources(pool, topo),
+        # Every rank answers these: node 0's API server, or a worker node's health endpoint (ranks > 0).
         "startupProbe": _probe("/health", PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
@@ -225,25 +235,24 @@ def pod_template(
         "securityContext": container_security_context(),
         "volumeMounts": sorted(mounts, key=lambda m: m["mountPath"]),
     }
-    tolerations = list(view.tolerations)
-    node_selector = dict(view.node_selector)
+    tolerations = [t.to_wire() for t in view.pod.tolerations]
+    node_selector = dict(view.pod.node_selector)
     if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
         gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         if not any(contains_toleration(t, gpu_taint) for t in tolerations):
             tolerations.insert(0, gpu_taint)
-        gpu_product = pool.gpu_product or view.gpu_product
-        if gpu_product:
-            node_selector.setdefault("nvidia.com/gpu.product", gpu_product)
+        if pool.resources.gpu_product:
+            node_selector.setdefault("nvidia.com/gpu.product", pool.resources.gpu_product)
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(ENGINE_PORT),
         "prometheus.io/path": "/metrics",
-        **view.annotations,
+        **view.pod.annotations,
     }
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never call the API server
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": view.drain_timeout_s + PRESTOP_SLEEP_S + 15,
+        "terminationGracePeriodSeconds": termination_grace_s(view),
         "initContainers": [s.init_container for s in sources if s.init_container],
         "containers": [container],
         "volumes": sorted(volumes, key=lambda v: v["name"]),
@@ -252,10 +261,10 @@ def pod_template(
         spec["tolerations"] = tolerations
     if node_selector:
         spec["nodeSelector"] = dict(sorted(node_selector.items()))
-    if view.service_account_name:
-        spec["serviceAccountName"] = view.service_account_name
-    if view.priority_class_name:
-        spec["priorityClassName"] = view.priority_class_name
+    if view.pod.service_account_name:
+        spec["serviceAccountName"] = view.pod.service_account_name
+    if view.pod.priority_class_name:
+        spec["priorityClassName"] = view.pod.priority_class_name
     if topo.workload == "StatefulSet":
         spec["subdomain"] = headless_name(name, pool.name)
     if not spec["initContainers"]:
@@ -272,8 +281,8 @@ def contains_toleration(have: dict[str, Any], want: dict[str, Any]) -> bool:
 
 
 def cache_volume_source(view: ServiceView) -> dict[str, Any]:
-    if view.cache_claim:
-        return {"persistentVolumeClaim": {"claimName": view.cache_claim}}
+    if view.model_cache is not None:
+        return {"persistentVolumeClaim": {"claimName": view.model_cache.claim_name}}
     return {"emptyDir": {}}
 
 
@@ -281,12 +290,13 @@ def pool_workloads(
     view: ServiceView, pool: PoolView, replicas: int, name: str, namespace: str, features: ClusterFeatures
 ) -> list[dict[str, Any]]:
     """The workload object(s) of one pool: a Deployment, a LeaderWorkerSet, or one StatefulSet per replica."""
-    topo = topology(view, pool, features)
+    topo = topology(view, features)
     template = pod_template(view, pool, topo, name, namespace, features)
     hash_label = {LABEL_SPEC_HASH: template["metadata"]["labels"][LABEL_SPEC_HASH]}
     meta_labels = {**labels(name, pool.name, "engine"), **hash_label}
     wl_name = child_name(name, pool.name)
-    progress_deadline = startup_budget_s(view, topo) + 600
+    rollout = {"maxSurge": view.rollout.max_surge, "maxUnavailable": view.rollout.max_unavailable}
+    progress_deadline = startup_budget_s(topo) + 600
     if topo.workload == "Deployment":
         return [
             {
@@ -296,10 +306,7 @@ def pool_workloads(
                 "spec": {
                     "replicas": replicas,
                     "selector": {"matchLabels": selector_labels(name, pool.name)},
-                    "strategy": {
-                        "type": "RollingUpdate",
-                        "rollingUpdate": {"maxSurge": view.max_surge, "maxUnavailable": view.max_unavailable},
-                    },
+                    "strategy": {"type": "RollingUpdate", "rollingUpdate": rollout},
                     "revisionHistoryLimit": 3,
                     "progressDeadlineSeconds": progress_deadline,
                     "template": template,
@@ -315,14 +322,13 @@ def pool_workloads(
                 "spec": {
                     "replicas": replicas,
                     "startupPolicy": "LeaderCreated",
-                    "rolloutStrategy": {
-                        "type": "RollingUpdate",
-                        "rollingUpdateConfiguration": {
-                            "maxSurge": view.max_surge,
-                            "maxUnavailable": view.max_unavailable,
-                        },
+                    "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rollout},
+                    "leaderWorkerTemplate": {
+                        "size": topo.nnodes,
+                        # Any rank's container restart recreates the whole group: ranks rendezvous only at start.
+                        "restartPolicy": "RecreateGroupOnPodRestart",
+                        "workerTemplate": template,
                     },
-                    "leaderWorkerTemplate": {"size": topo.nnodes, "workerTemplate": template},
                 },
             }
         ]

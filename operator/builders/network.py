@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tidepool.operator.api.quantity import canonical_quantity
+from tidepool.operator.api.view import ServiceView
+
 from .common import (
     ENGINE_PORT,
     KV_PORT,
@@ -29,8 +32,7 @@ from .common import (
     sorted_env,
     spec_hash,
 )
-from .engine import LWS_WORKER_INDEX_LABEL, Topology, headless_name
-from .spec_view import ServiceView
+from .engine import LWS_WORKER_INDEX_LABEL, Topology, headless_name, termination_grace_s
 
 
 def pool_service(name: str, namespace: str, pool: str, topo: Topology) -> dict[str, Any]:
@@ -77,9 +79,9 @@ def pool_pdb(name: str, namespace: str, pool: str) -> dict[str, Any]:
 def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool: dict[str, list[str]]) -> dict:
     """The engine configuration as JSON (what each pool runs), mounted read-only at /etc/tidepool."""
     config = {
-        "model": {"uri": view.model_uri, "revision": view.model_revision, "quantization": view.quantization},
+        "model": {"uri": view.model.uri, "revision": view.model.revision, "quantization": view.quantization},
         "mode": view.mode,
-        "parallelism": {"tensor": view.tensor, "pipeline": view.pipeline},
+        "parallelism": {"tensor": view.parallelism.tensor, "pipeline": view.parallelism.pipeline},
         "args": args_by_pool,
     }
     return {
@@ -92,18 +94,19 @@ def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool
 
 def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] | None:
     """The shared model-cache claim, when the spec asks the operator to create it (modelCache.size)."""
-    if not (view.cache_claim and view.cache_size):
+    cache = view.model_cache
+    if cache is None or cache.size is None:
         return None
     spec: dict[str, Any] = {
         "accessModes": ["ReadWriteMany"],  # every replica of every pool reads (and fills) it
-        "resources": {"requests": {"storage": str(view.cache_size)}},
+        "resources": {"requests": {"storage": canonical_quantity(cache.size)}},
     }
-    if view.cache_storage_class:
-        spec["storageClassName"] = view.cache_storage_class
+    if cache.storage_class_name:
+        spec["storageClassName"] = cache.storage_class_name
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": metadata(view.cache_claim, namespace, labels(name, "cache", "cache")),
+        "metadata": metadata(cache.claim_name, namespace, labels(name, "cache", "cache")),
         "spec": spec,
     }
 
@@ -134,7 +137,7 @@ def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
 def router_deployment(name: str, namespace: str, view: ServiceView, features: ClusterFeatures) -> dict[str, Any]:
     flags: dict[str, Any] = {
         "--port": ROUTER_PORT,
-        "--policy": view.router_policy,
+        "--policy": view.router.policy,
         "--discovery": "kubernetes",
         "--namespace": namespace,
     }
@@ -143,7 +146,7 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     container = {
         "name": "router",
-        "image": features.router_image or view.image,
+        "image": features.router_image or view.engine.image,
         "command": ["tidepool", "router"],
         "args": flags_to_args(flags),
         "env": sorted_env({"HOME": "/tmp"}),
@@ -157,14 +160,15 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     spec: dict[str, Any] = {
         "serviceAccountName": child_name(name, ROUTER_POOL),
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": view.drain_timeout_s + 15,
+        # The router proxies streams from engines that drain for up to engine.drainTimeoutSeconds.
+        "terminationGracePeriodSeconds": termination_grace_s(view),
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
-    if view.priority_class_name:
-        spec["priorityClassName"] = view.priority_class_name
-    if view.tolerations:
-        spec["tolerations"] = list(view.tolerations)
+    if view.pod.priority_class_name:
+        spec["priorityClassName"] = view.pod.priority_class_name
+    if view.pod.tolerations:
+        spec["tolerations"] = [t.to_wire() for t in view.pod.tolerations]
     template = {"metadata": {"labels": labels(name, ROUTER_POOL, "router")}, "spec": spec}
     template["metadata"]["labels"]["tidepool.dev/spec-hash"] = spec_hash(template)
     template["metadata"]["labels"] = dict(sorted(template["metadata"]["labels"].items()))
@@ -173,7 +177,7 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         "kind": "Deployment",
         "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
         "spec": {
-            "replicas": view.router_replicas,
+            "replicas": view.router.replicas,
             "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)},
             "revisionHistoryLimit": 3,
             "template": template,

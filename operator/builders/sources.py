@@ -3,8 +3,8 @@
 hf://org/name  -> downloaded by an init container (`hf download`) into the cache volume
 s3://bucket/p  -> downloaded by an init container (`aws s3 sync`) into the cache volume
 pvc://claim/p  -> the claim mounted read-only at /models/pvc/<claim>; no download
-file:///path   -> rejected: it would need a hostPath volume, which Pod Security "restricted" forbids
-                  (copy the model into a PVC and use pvc:// instead)
+(file:// is refused by the API itself: it would need a hostPath volume, which Pod Security
+"restricted" forbids; a local or hostPath PersistentVolume bound to a claim serves it via pvc://.)
 
 Invariants: pure; volume names are derived from the URI, so the same URI yields the same pod spec.
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tidepool.operator.api.view import SpecError
+
 from .common import container_security_context, sorted_env, spec_hash
-from .spec_view import SpecError
 
 MODELS_DIR = "/models"
 CACHE_VOLUME = "model-cache"
@@ -84,13 +85,4 @@ def model_source(
             volume={"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
             mount={"name": volume_name, "mountPath": mount_path, "readOnly": True},
         )
-    if scheme == "file":
-        raise SpecError(
-            f"{field}: file:// needs a hostPath volume, which Pod Security 'restricted' forbids; "
-            "copy the model into a PersistentVolumeClaim and use pvc://claim/path"
-        )
     raise SpecError(f"{field}: unsupported URI scheme {scheme!r}; use hf://, s3:// or pvc://")
-
-
-def is_model_uri(value: str) -> bool:
-    return "://" in value

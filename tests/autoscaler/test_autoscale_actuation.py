@@ -164,6 +164,7 @@ class FixedSource:
 
 def isvc(mode: str = "active", enabled: bool = True) -> dict:
     spec = {
+        "model": {"uri": "hf://org/m"},  # required: the API server never hands over a body without it
         "mode": "unified",
         "pools": {"unified": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6}},
         "autoscaling": {"enabled": enabled, "mode": mode, "slo": {"ttftP95Ms": 500}, "kvCacheTarget": 0.5},

@@ -119,7 +119,7 @@ def test_minimal_object_gets_every_default(control_plane, crd_namespace):
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "InferenceService",
         "metadata": {"name": "minimal"},
-        "spec": {"model": {"uri": "file:///models/tiny"}},
+        "spec": {"model": {"uri": "pvc://models/tiny"}},
     }
     stored = _create(control_plane, crd_namespace, body)["spec"]
     assert stored == InferenceService.from_body(body)[0].to_wire()

@@ -188,11 +188,12 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
 
 
 def test_invalid_spec_that_passes_admission_reports_why(control_plane, cp_namespace, operator):
-    """file:// is valid API-wise but needs hostPath, which "restricted" forbids: Degraded, no children."""
+    """tensor 16 is valid API-wise but exceeds one node's GPUs (the operator's --gpus-per-node 8): Degraded."""
     ns = cp_namespace
     obj = load_example("inferenceservice-unified.yaml")
     obj["metadata"]["name"] = "from-host"
-    obj["spec"]["model"]["uri"] = "file:///models/smollm"
+    obj["spec"]["parallelism"] = {"tensor": 16}
+    obj["spec"]["resources"]["gpusPerReplica"] = 16
     obj["spec"].pop("modelCache")
     apply_isvc(control_plane, ns, obj)
 
@@ -202,6 +203,6 @@ def test_invalid_spec_that_passes_admission_reports_why(control_plane, cp_namesp
 
     cond = wait_until(degraded, 60, "Degraded=True")
     assert cond["reason"] == "InvalidSpec"
-    assert "pvc://" in cond["message"] and "hostPath" in cond["message"]
+    assert "tensor parallelism stays within a node" in cond["message"]
     assert condition(get_isvc(control_plane, ns, "from-host"), "Ready")["status"] == "False"
     assert not children(control_plane, ns, "from-host")

@@ -86,6 +86,7 @@ INVALID_CASES: tuple[Case, ...] = (
     ),
     Case("tp-vs-gpus", _set("spec.parallelism.tensor", 2), _rule("resources.gpusPerReplica must equal"), "rule"),
     Case("uri-scheme", _set("spec.model.uri", "http://example.com/model"), _rule("model.uri must be"), "rule"),
+    Case("file-uri", _set("spec.model.uri", "file:///models/tiny"), _rule("model.uri file://"), "rule"),
     Case(
         "revision-not-hf",
         _both(_set("spec.model.uri", "pvc://weights/llama"), _set("spec.model.revision", "v1")),
@@ -127,6 +128,22 @@ INVALID_CASES: tuple[Case, ...] = (
         "extra-arg-managed", _set("spec.engine.extraArgs", ["--port=9000"]), _rule("engine.extraArgs must not"), "rule"
     ),
     Case("extra-arg-shape", _set("spec.engine.extraArgs", ["seed=3"]), _rule("engine.extraArgs entries"), "rule"),
+    # Flags the builder sets that the hand-written list used to miss: the operator's value must not be overridden.
+    Case(
+        "extra-arg-role", _set("spec.engine.extraArgs", ["--role=decode"]), _rule("engine.extraArgs must not"), "rule"
+    ),
+    Case(
+        "extra-arg-negated",
+        _set("spec.engine.extraArgs", ["--seed=3", "--no-enable-prefix-caching"]),
+        _rule("engine.extraArgs must not"),
+        "rule",
+    ),
+    Case(
+        "drain-too-long",
+        _set("spec.engine.drainTimeoutSeconds", 7200),
+        "should be less than or equal to 3600",
+        "field",
+    ),
     Case(
         "rollout-stuck",
         _set("spec.rollout", {"maxSurge": 0, "maxUnavailable": "0%"}),

@@ -183,6 +183,43 @@ def test_probes_and_drain_are_sized_from_the_spec():
             assert pod["terminationGracePeriodSeconds"] >= drain + pre_stop
 
 
+@pytest.mark.parametrize("drain", [0, 30, 600, 3600])
+def test_drain_timeout_reaches_the_engine_and_the_grace_period(drain):
+    children = by_key(build(spec(UNIFIED, engine__drainTimeoutSeconds=drain)))
+    pod = children[("Deployment", "svc-unified")]["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert float(engine["args"][engine["args"].index("--drain-timeout") + 1]) == drain
+    pre_stop = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # The kubelet's grace period counts from the preStop hook: it must cover preStop + the whole drain + shutdown.
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 10
+    router = children[("Deployment", "svc-router")]["spec"]["template"]["spec"]
+    assert router["terminationGracePeriodSeconds"] >= drain  # it proxies the streams the engines drain
+
+
+@pytest.mark.parametrize("features", [ClusterFeatures(), ClusterFeatures(has_lws=True)], ids=["statefulset", "lws"])
+def test_multi_node_ranks_share_probes_and_only_the_leader_serves(features):
+    """Every rank gets the probes the worker node's health endpoint answers (same paths, same port); the pool's
+    Service selects rank 0 only; LWS restarts the group as a unit."""
+    s = spec(UNIFIED, parallelism={"tensor": 2, "pipeline": 2}, resources={"gpusPerReplica": 4})
+    children = build(s, features)
+    workloads = [c for c in children if c["kind"] in ("StatefulSet", "LeaderWorkerSet")]
+    assert workloads
+    for wl in workloads:
+        container = engine_container(wl)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for probe, path in (("startupProbe", "/health"), ("readinessProbe", "/ready"), ("livenessProbe", "/health")):
+            assert container[probe]["httpGet"] == {"path": path, "port": "http"}
+        args = container["args"]
+        assert ports["http"] == int(args[args.index("--port") + 1])  # the port worker nodes answer probes on
+    service = by_key(children)[("Service", "svc-unified")]
+    rank_label = "leaderworkerset.sigs.k8s.io/worker-index" if features.has_lws else "apps.kubernetes.io/pod-index"
+    assert service["spec"]["selector"][rank_label] == "0"
+    if features.has_lws:
+        (lws,) = workloads
+        assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+        assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+
+
 def test_spec_hash_follows_what_pods_run():
     def hashes(s: dict[str, Any]) -> dict[str, str]:
         return {
@@ -231,7 +268,7 @@ def test_model_sources(uri, init_cmd, model_path):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model": {"uri": "file:///models/x"}}, "pvc://claim/path"),
+        ({"model": {"uri": "file:///models/x"}}, "pvc://claim/path"),  # refused by the API rules, with the fix
         (
             {"parallelism": {"tensor": 16}, "resources": {"gpusPerReplica": 16}},
             "tensor parallelism stays within a node",
@@ -282,4 +319,4 @@ def test_engine_args_parse_with_tidepool_serve(s):
         assert args.quantization == (None if quantization in (None, "none") else quantization)
         if s["engine"].get("speculative"):
             config = json.loads(args.speculative_config)
-            assert config["model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4
+            assert config["draft_model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4

@@ -119,7 +119,8 @@ def test_pp2_over_two_nodes_matches_single_process(
     tidepool = Path(sys.executable).with_name("tidepool")
     node1 = subprocess.Popen(
         [str(tidepool), "serve", "--model", str(tiny_model_dir), "--device", "cpu", "--dtype", "float32",
-         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"],
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--port", str(free_port())],  # the worker node's health endpoint: not 8000, which may be taken here
         env={**os.environ, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"},
         cwd=tmp_path,
         stdout=subprocess.PIPE,

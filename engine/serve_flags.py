@@ -1,0 +1,228 @@
+"""The `tidepool serve` flags as one table, from which every part that must agree on them is generated.
+
+- `add_to_parser(parser)`: the server's argparse flags (`tidepool serve --help` shows the table).
+- `engine_kwargs(args)`: the `EngineConfig` / `LLM(...)` keywords the parsed flags feed.
+- `render_args(values)`: argv for a `{flag name: value}` mapping (the operator's builders use it).
+- `managed_flags()` / `managed_spellings()`: the flags the operator sets on every engine pod, which
+  `engine.extraArgs` may not override (the CRD's CEL rule is generated from them).
+
+Adding a flag is one `ServeFlag(...)` line in `SERVE_FLAGS`. Mark it `managed=True` only if the
+operator's builder sets it (a test proves the builder emits exactly the managed flags); give it
+an `engine_field` when it maps onto an `EngineConfig` keyword (a test proves the field exists and
+that both defaults agree).
+
+Invariants: stdlib only (the operator image has no torch, and imports this module); names are
+unique, spelled without the leading `--`; `default` is the value the server uses when the flag is
+absent; a `bool` flag is negatable (`--x` / `--no-x`), a `switch` is a bare `--x`, and a `json` flag
+carries a JSON object as a string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["int", "float", "str", "bool", "switch", "json"]
+
+# Help-section titles, in the order `tidepool serve --help` shows them ("" = the parser's own section).
+GROUPS: dict[str, str] = {
+    "": "",
+    "engine": "engine (as LLM(...))",
+    "disagg": "prefill/decode disaggregation",
+    "parallel": "parallelism (one replica over several ranks, optionally several nodes)",
+    "server": "server",
+}
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "json": str}
+
+
+@dataclass(frozen=True, slots=True)
+class ServeFlag:
+    """One `tidepool serve` flag."""
+
+    name: str  # spelled without "--", e.g. "max-num-seqs"
+    kind: Kind
+    default: Any
+    help: str
+    group: str = "engine"  # a key of GROUPS
+    choices: tuple[str, ...] | None = None
+    managed: bool = False  # the operator sets it on every engine pod; engine.extraArgs may not
+    engine_field: str | None = None  # the EngineConfig / LLM(...) keyword it feeds
+    aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
+    required: bool = False
+
+    @property
+    def option(self) -> str:
+        return f"--{self.name}"
+
+    @property
+    def dest(self) -> str:
+        """The attribute name on the parsed argparse namespace."""
+        return self.name.replace("-", "_")
+
+    def spellings(self) -> tuple[str, ...]:
+        """Every long option that sets this flag (`--x`, and `--no-x` for a negatable bool)."""
+        return (self.option, f"--no-{self.name}") if self.kind == "bool" else (self.option,)
+
+    def render(self, value: Any) -> list[str]:
+        """argv for one value; [] when the value means "leave the flag out" (None, or False for a switch)."""
+        if value is None or (self.kind == "switch" and value is False):
+            return []
+        if self.kind in ("bool", "switch"):
+            if not isinstance(value, bool):
+                raise TypeError(f"{self.option} takes a bool, got {value!r}")
+            return [self.option if value else f"--no-{self.name}"]
+        if self.kind == "json":
+            return [self.option, value if isinstance(value, str) else json.dumps(value, sort_keys=True)]
+        if isinstance(value, bool):
+            raise TypeError(f"{self.option} takes a {self.kind}, got {value!r}")
+        return [self.option, str(value)]
+
+
+SERVE_FLAGS: tuple[ServeFlag, ...] = (
+    # name, kind, default, help; then its help section, choices, whether the operator sets it, its EngineConfig field.
+    ServeFlag("model", "str", None, "local Hugging Face model folder", group="", required=True,
+              managed=True, engine_field="model"),
+    ServeFlag("tokenizer", "str", None, "tokenizer folder; default: the model folder", engine_field="tokenizer"),
+    ServeFlag("dtype", "str", "auto", "activation/weight dtype; auto uses the checkpoint's",
+              choices=("auto", "float32", "bfloat16", "float16"), managed=True, engine_field="dtype"),
+    ServeFlag("device", "str", "auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", engine_field="device"),
+    ServeFlag("block-size", "int", 16, "tokens per KV-cache block", managed=True, engine_field="block_size"),
+    ServeFlag("max-model-len", "int", None, "longest prompt + output in tokens; default: the model's",
+              managed=True, engine_field="max_model_len"),
+    ServeFlag("max-num-seqs", "int", 256, "most sequences scheduled in one step",
+              managed=True, engine_field="max_num_seqs"),
+    ServeFlag("max-num-batched-tokens", "int", None, "token budget of one engine step",
+              managed=True, engine_field="max_num_batched_tokens"),
+    ServeFlag("num-kv-blocks", "int", None, "fix the KV cache size in blocks", engine_field="num_kv_blocks"),
+    ServeFlag("kv-cache-memory-bytes", "int", None, "KV budget on CPU", engine_field="kv_cache_memory_bytes"),
+    ServeFlag("gpu-memory-utilization", "float", 0.9, "fraction of GPU memory for weights + KV cache",
+              managed=True, engine_field="gpu_memory_utilization"),
+    ServeFlag("enable-prefix-caching", "bool", True, "reuse KV blocks of shared prompt prefixes",
+              managed=True, engine_field="enable_prefix_caching"),
+    ServeFlag("enable-chunked-prefill", "bool", True, "split long prompts across steps",
+              managed=True, engine_field="enable_chunked_prefill"),
+    ServeFlag("seed", "int", 0, "sampling seed of requests that set none", engine_field="seed"),
+    ServeFlag("quantization", "str", None,
+              "check a quantized checkpoint's method, or quantize a dense folder to int8/int4 at load",
+              choices=("int8", "int4", "gptq", "awq"), managed=True, engine_field="quantization"),
+    ServeFlag("speculative-config", "json", None,
+              'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+              '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',
+              managed=True, engine_field="speculative"),
+    ServeFlag("role", "str", "unified",
+              "'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port", group="disagg",
+              choices=("unified", "prefill", "decode"), managed=True, engine_field="kv_role"),
+    ServeFlag("kv-port", "int", 14579, "TCP port of the KV receiver (decode role)", group="disagg",
+              managed=True, engine_field="kv_port"),
+    ServeFlag("kv-transfer-timeout", "float", 30.0, "seconds a KV transfer may take", group="disagg",
+              engine_field="kv_transfer_timeout_s"),
+    ServeFlag("tensor-parallel-size", "int", 1, "ranks each layer is split over", group="parallel", aliases=("-tp",),
+              managed=True, engine_field="tensor_parallel_size"),
+    ServeFlag("pipeline-parallel-size", "int", 1, "pipeline stages", group="parallel", aliases=("-pp",),
+              managed=True, engine_field="pipeline_parallel_size"),
+    ServeFlag("nnodes", "int", 1, "nodes the tp x pp ranks span (tp*pp/nnodes each)", group="parallel",
+              managed=True, engine_field="nnodes"),
+    ServeFlag("node-rank", "int", 0, "this node's index: 0 serves the API, others run worker ranks only "
+              "(and a health endpoint on --port)", group="parallel", managed=True),
+    ServeFlag("master-addr", "str", None, "node 0's address; default $MASTER_ADDR or 127.0.0.1", group="parallel",
+              managed=True, engine_field="master_addr"),
+    ServeFlag("master-port", "int", None, "rendezvous port on node 0; default $MASTER_PORT or 29500",
+              group="parallel", managed=True, engine_field="master_port"),
+    ServeFlag("host", "str", "0.0.0.0", "address the HTTP server binds", group="server", managed=True),
+    ServeFlag("port", "int", 8000, "HTTP port (node 0: the API; other nodes: the health endpoint)", group="server",
+              managed=True),
+    ServeFlag("served-model-name", "str", None, "the model id clients use; default: --model", group="server",
+              managed=True),
+    ServeFlag("max-queue-len", "int", 1024, "engine requests allowed to wait before new requests get 429",
+              group="server"),
+    ServeFlag("retry-after", "int", 1, "seconds sent in Retry-After with a 429", group="server"),
+    ServeFlag("drain-timeout", "float", 30.0, "seconds in-flight requests get to finish after SIGTERM",
+              group="server", managed=True),
+    ServeFlag("access-log", "switch", False, "log every HTTP request", group="server"),
+)  # fmt: skip
+
+FLAGS: dict[str, ServeFlag] = {f.name: f for f in SERVE_FLAGS}
+
+
+def flag_default(name: str) -> Any:
+    """The default of one flag (what the server uses when it is absent)."""
+    return FLAGS[name].default
+
+
+def managed_flags() -> tuple[ServeFlag, ...]:
+    return tuple(f for f in SERVE_FLAGS if f.managed)
+
+
+def managed_spellings() -> tuple[str, ...]:
+    """Every long option of a managed flag, sorted (`--no-x` included for negatable ones)."""
+    return tuple(sorted(s for f in managed_flags() for s in f.spellings()))
+
+
+def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = SERVE_FLAGS) -> None:
+    """Add `flags` to `parser`, grouped under GROUPS' titles."""
+    sections: dict[str, Any] = {"": parser}
+    for flag in flags:
+        section = sections.get(flag.group)
+        if section is None:
+            section = sections[flag.group] = parser.add_argument_group(GROUPS[flag.group])
+        spellings = (flag.option, *flag.aliases)
+        if flag.kind == "bool":
+            action = argparse.BooleanOptionalAction
+            section.add_argument(*spellings, action=action, default=flag.default, help=flag.help)
+        elif flag.kind == "switch":
+            section.add_argument(*spellings, action="store_true", help=flag.help)
+        else:
+            section.add_argument(
+                *spellings,
+                type=_TYPES[flag.kind],
+                default=flag.default,
+                choices=flag.choices,
+                required=flag.required,
+                help=flag.help,
+            )
+
+
+def parse_json_object(flag: ServeFlag, raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{flag.option} is not valid JSON ({err}); pass a JSON object") from err
+    if not isinstance(value, dict):
+        raise ValueError(f'{flag.option} must be a JSON object, e.g. {{"method": "ngram", ...}}')
+    return value
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig` keywords of the parsed flags (JSON flags decoded); raises ValueError naming a bad flag."""
+    out: dict[str, Any] = {}
+    for flag in SERVE_FLAGS:
+        if flag.engine_field is None:
+            continue
+        value = getattr(args, flag.dest)
+        if flag.kind == "json" and value is not None:
+            value = parse_json_object(flag, value)
+        out[flag.engine_field] = value
+    return out
+
+
+def render_args(values: Mapping[str, Any], *, managed_only: bool = False) -> list[str]:
+    """argv for `{flag name: value}`, sorted by option; None leaves a flag out.
+
+    Raises KeyError for a name that is not a serve flag, and (with `managed_only`) ValueError for a
+    flag the operator does not manage: users may override those through extraArgs, so the operator
+    setting one would be a silent conflict.
+    """
+    rendered: list[list[str]] = []
+    for name, value in values.items():
+        flag = FLAGS.get(name)
+        if flag is None:
+            raise KeyError(f"--{name} is not a `tidepool serve` flag (see tidepool.engine.serve_flags)")
+        if managed_only and not flag.managed:
+            raise ValueError(f"{flag.option} is not marked managed in tidepool.engine.serve_flags")
+        tokens = flag.render(value)
+        if tokens:
+            rendered.append(tokens)
+    return [token for tokens in sorted(rendered) for token in tokens]

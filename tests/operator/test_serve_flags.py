@@ -1,0 +1,201 @@
+"""The serve-flag table, `tidepool serve`'s parser, the builder's engine args and MANAGED_FLAGS agree, flag by flag.
+
+Every check is driven by `SERVE_FLAGS` (one parametrized case per flag or spelling), so a flag added to
+the table is checked without touching this file; a flag added anywhere else fails here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tidepool.engine import serve_flags
+from tidepool.engine.serve_flags import FLAGS, SERVE_FLAGS, ServeFlag, managed_spellings, render_args
+from tidepool.engine.server.cli import build_parser
+from tidepool.operator.api import EngineSpec, InferenceServiceSpec, rules, serve_flag_fields, validate_spec
+from tidepool.operator.builders import ClusterFeatures, build_children
+
+BASE: dict[str, Any] = {
+    "model": {"uri": "hf://org/model"},
+    "resources": {"gpusPerReplica": 1},
+    "pools": {"unified": {"replicas": 1}},
+}
+DISAGG = {**BASE, "mode": "disaggregated", "pools": {"prefill": {}, "decode": {}}}
+MULTI_NODE = {**BASE, "parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"gpusPerReplica": 4}}
+# Specs that together exercise every branch of the builder's flag rendering.
+SPEC_MATRIX: list[tuple[dict[str, Any], ClusterFeatures]] = [
+    (BASE, ClusterFeatures()),
+    ({**BASE, "engine": {"prefixCaching": False, "chunkedPrefill": False}}, ClusterFeatures()),
+    ({**BASE, "engine": {"maxModelLen": 2048, "maxNumBatchedTokens": 4096}}, ClusterFeatures()),
+    ({**BASE, "model": {"uri": "hf://org/model", "quantization": "int4"}}, ClusterFeatures()),
+    ({**BASE, "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}}, ClusterFeatures()),
+    (DISAGG, ClusterFeatures()),
+    (MULTI_NODE, ClusterFeatures()),
+    (MULTI_NODE, ClusterFeatures(has_lws=True)),
+]
+RANK_ENV = {
+    "TIDEPOOL_NODE_RANK": "1",
+    "TIDEPOOL_MASTER_ADDR": "svc-unified-g0-0.svc-unified-hl.ns.svc",
+    "LWS_WORKER_INDEX": "1",
+    "LWS_LEADER_ADDRESS": "svc-unified-0.svc-unified",
+}
+
+
+def engine_arg_lists(spec: dict[str, Any], features: ClusterFeatures) -> list[list[str]]:
+    """The engine containers' args of every pool, $(VAR)s expanded as the kubelet would."""
+    out = []
+    for child in build_children("svc", "ns", spec, features):
+        if child["kind"] not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
+            continue
+        pod = child["spec"].get("template") or child["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+        if pod["spec"]["containers"][0]["name"] != "engine":  # the router
+            continue
+        args = pod["spec"]["containers"][0]["args"]
+        out.append([re.sub(r"\$\((\w+)\)", lambda m: RANK_ENV[m.group(1)], a) for a in args])
+    return out
+
+
+def option_of(spelling: str) -> ServeFlag:
+    name = spelling.removeprefix("--")
+    flag = FLAGS.get(name) or FLAGS[name.removeprefix("no-")]
+    assert spelling in flag.spellings()
+    return flag
+
+
+def test_table_module_imports_nothing_heavy() -> None:
+    """The operator image has no torch and imports the table: it must stay stdlib-only."""
+    code = (
+        "import sys; import tidepool.engine.serve_flags; "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'pydantic', 'fastapi') "
+        "or (m.startswith('tidepool.') and m not in ('tidepool.engine', 'tidepool.engine.serve_flags'))]; "
+        "sys.exit(f'imported {heavy}' if heavy else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert result.returncode == 0, result.stderr + result.stdout
+
+
+def test_table_is_well_formed() -> None:
+    assert len(FLAGS) == len(SERVE_FLAGS), "duplicate flag names"
+    for flag in SERVE_FLAGS:
+        assert not flag.name.startswith("-") and flag.name == flag.name.lower(), flag.name
+        assert flag.group in serve_flags.GROUPS and flag.help, flag.name
+        assert flag.choices is None or flag.default is None or flag.default in flag.choices, flag.name
+
+
+def _actions() -> dict[str, argparse.Action]:
+    return {option: action for action in build_parser()._actions for option in action.option_strings}
+
+
+@pytest.mark.parametrize("flag", SERVE_FLAGS, ids=lambda f: f.name)
+def test_parser_has_exactly_the_tables_flag(flag: ServeFlag) -> None:
+    action = _actions()[flag.option]
+    assert action.dest == flag.dest and action.default == flag.default and action.required == flag.required
+    assert tuple(action.choices) == flag.choices if flag.choices else action.choices is None
+    assert all(alias in action.option_strings for alias in flag.aliases)
+    if flag.kind == "bool":
+        assert f"--no-{flag.name}" in action.option_strings
+    elif flag.kind == "switch":
+        assert action.nargs == 0 and action.default is False
+    else:
+        assert action.type is {"int": int, "float": float}.get(flag.kind, str)
+
+
+def test_parser_has_no_flag_outside_the_table() -> None:
+    known = {s for f in SERVE_FLAGS for s in (*f.spellings(), *f.aliases)} | {"-h", "--help"}
+    assert set(_actions()) - known == set()
+
+
+def test_parser_refuses_abbreviations() -> None:
+    """--max-num=8 must not reach --max-num-seqs past the CRD's exact-name rule."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--model", "m", "--max-num=8"])
+
+
+def test_builder_emits_exactly_the_managed_flags() -> None:
+    emitted = {a for spec, features in SPEC_MATRIX for args in engine_arg_lists(spec, features) for a in args}
+    spellings = {a for a in emitted if a.startswith("--")}
+    managed = {f.option for f in serve_flags.managed_flags()}
+    assert {option_of(s).option for s in spellings} == managed
+    assert spellings <= set(managed_spellings())
+
+
+@pytest.mark.parametrize(("spec", "features"), SPEC_MATRIX)
+def test_builder_args_parse_back_to_the_spec(spec: dict[str, Any], features: ClusterFeatures) -> None:
+    """What the pod runs is what the spec says, read back through the real parser and the table's EngineConfig map."""
+    model = InferenceServiceSpec.model_validate(spec)
+    for args in engine_arg_lists(spec, features):
+        parsed = build_parser().parse_args(args)
+        for field, flag in serve_flag_fields().items():
+            assert getattr(parsed, FLAGS[flag].dest) == getattr(model.engine, field), flag
+        kwargs = serve_flags.engine_kwargs(parsed)
+        assert kwargs["tensor_parallel_size"] == model.parallelism.tensor
+        assert kwargs["pipeline_parallel_size"] == model.parallelism.pipeline
+        assert kwargs["quantization"] == (None if model.model.quantization == "none" else model.model.quantization)
+        if model.engine.speculative is not None:
+            assert kwargs["speculative"]["num_speculative_tokens"] == model.engine.speculative.num_speculative_tokens
+
+
+@pytest.mark.parametrize("spelling", managed_spellings())
+def test_every_managed_spelling_is_refused_in_extra_args(spelling: str) -> None:
+    assert tuple(s.removeprefix("--") for s in managed_spellings()) == rules.MANAGED_FLAGS
+    message = next(r.message for r in rules.SPEC_RULES if r.message.startswith("engine.extraArgs must not"))
+    for arg in (spelling, f"{spelling}=1"):
+        spec = InferenceServiceSpec.model_validate({**BASE, "engine": {"extraArgs": [arg]}})
+        assert message in validate_spec(spec), arg
+
+
+@pytest.mark.parametrize("flag", [f for f in SERVE_FLAGS if not f.managed], ids=lambda f: f.name)
+def test_unmanaged_flags_are_allowed_in_extra_args(flag: ServeFlag) -> None:
+    args = [f"{s}=1" if flag.kind not in ("bool", "switch") else s for s in flag.spellings()]
+    spec = InferenceServiceSpec.model_validate({**BASE, "engine": {"extraArgs": args}})
+    assert validate_spec(spec) == []
+    (engine_args,) = engine_arg_lists(spec.to_wire(), ClusterFeatures())
+    assert engine_args[-len(args) :] == args  # last, in their order
+
+
+@pytest.mark.parametrize("flag", [f for f in SERVE_FLAGS if f.engine_field], ids=lambda f: f.name)
+def test_engine_fields_exist_and_defaults_agree(flag: ServeFlag) -> None:
+    """`LLM(...)` (EngineConfig) and `tidepool serve` default alike; master-addr is resolved by the CLI
+    ($MASTER_ADDR, then 127.0.0.1), so its flag default is None."""
+    from tidepool.engine.engine_config import EngineConfig
+
+    info = EngineConfig.model_fields[flag.engine_field]
+    if flag.required:
+        assert info.is_required()
+    elif flag.name != "master-addr":
+        assert info.default == flag.default
+
+
+@pytest.mark.parametrize(("field", "flag"), sorted(serve_flag_fields().items()))
+def test_api_fields_default_to_the_engines_defaults(field: str, flag: str) -> None:
+    assert getattr(EngineSpec(), field) == FLAGS[flag].default
+    assert FLAGS[flag].managed
+
+
+def test_api_enumerations_come_from_the_table() -> None:
+    schema = InferenceServiceSpec.model_json_schema(by_alias=True)["$defs"]
+    assert tuple(schema["EngineSpec"]["properties"]["dtype"]["enum"]) == FLAGS["dtype"].choices
+    quantization = schema["ModelSource"]["properties"]["quantization"]["enum"]
+    assert tuple(quantization) == ("none", *FLAGS["quantization"].choices)
+
+
+def test_render_args() -> None:
+    values = {"port": 8000, "enable-prefix-caching": False, "max-model-len": None, "speculative-config": {"b": 1}}
+    assert render_args(values) == ["--no-enable-prefix-caching", "--port", "8000", "--speculative-config", '{"b": 1}']
+    assert render_args({"access-log": True}) == ["--access-log"] and render_args({"access-log": False}) == []
+    with pytest.raises(KeyError, match="--bogus is not a `tidepool serve` flag"):
+        render_args({"bogus": 1})
+    with pytest.raises(ValueError, match="--seed is not marked managed"):
+        render_args({"seed": 1}, managed_only=True)
+    with pytest.raises(TypeError):
+        render_args({"enable-prefix-caching": "yes"})
+
+
+def test_help_lists_every_flag() -> None:
+    text = build_parser().format_help()
+    assert [f.option for f in SERVE_FLAGS if f.option not in text] == []

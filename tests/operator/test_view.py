@@ -1,0 +1,152 @@
+"""One spec view for every reader: a spec that sets nothing gets the API's defaults in the view, in every child the
+builders render and in the autoscaler's config; spec.replicas means the same to all of them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from tidepool.engine.serve_flags import FLAGS
+from tidepool.engine.server.cli import build_parser
+from tidepool.operator.api import (
+    AutoscalingSpec,
+    EngineSpec,
+    InferenceServiceSpec,
+    PoolSpec,
+    RolloutSpec,
+    RouterSpec,
+    ServiceView,
+    SpecError,
+    serve_flag_fields,
+)
+from tidepool.operator.autoscaler import handlers
+from tidepool.operator.autoscaler.config import config_from_spec, declared_replicas, is_enabled
+from tidepool.operator.autoscaler.policy_types import AutoscaleConfig, PoolBounds
+from tidepool.operator.builders import build_children
+from tidepool.operator.builders.engine import DRAIN_MARGIN_S, PRESTOP_SLEEP_S
+
+MINIMAL: dict[str, Any] = {"model": {"uri": "hf://org/model"}}  # the one required field
+
+
+def by_name(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(c for c in children if c["kind"] == kind and c["metadata"]["name"] == name)
+
+
+def test_the_wire_dict_and_the_model_give_one_view() -> None:
+    from_dict = ServiceView.from_spec(MINIMAL)
+    from_model = ServiceView.from_spec(InferenceServiceSpec.model_validate(MINIMAL))
+    assert from_dict == from_model
+    assert ServiceView.from_spec(from_dict) is from_dict
+
+
+def test_every_field_omitted_yields_the_api_defaults_in_the_view() -> None:
+    view = ServiceView.from_spec(MINIMAL)
+    pool_default = PoolSpec()
+    (pool,) = view.pools.values()
+    assert (pool.name, pool.is_scaled) == ("unified", True)
+    assert (pool.replicas, pool.min_replicas, pool.max_replicas) == (
+        pool_default.replicas,
+        pool_default.min_replicas,
+        pool_default.max_replicas,
+    )
+    assert pool.resources == InferenceServiceSpec.model_validate(MINIMAL).resources
+    assert view.engine == EngineSpec() and view.autoscaling == AutoscalingSpec()
+
+
+def test_every_field_omitted_yields_the_api_defaults_in_every_child() -> None:
+    children = build_children("svc", "ns", MINIMAL)
+    engine = by_name(children, "Deployment", "svc-unified")
+    router = by_name(children, "Deployment", "svc-router")
+    pod = engine["spec"]["template"]["spec"]
+    assert engine["spec"]["replicas"] == PoolSpec().replicas
+    rollout = RolloutSpec()
+    assert engine["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": rollout.max_surge,
+        "maxUnavailable": rollout.max_unavailable,
+    }
+    parsed = build_parser().parse_args(pod["containers"][0]["args"])
+    defaults = EngineSpec()
+    for field, flag in serve_flag_fields().items():
+        # The API's default, rendered by the builder and read back by the engine, is the engine's own default.
+        assert getattr(parsed, FLAGS[flag].dest) == getattr(defaults, field) == FLAGS[flag].default, flag
+    grace = PRESTOP_SLEEP_S + defaults.drain_timeout_seconds + DRAIN_MARGIN_S
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert pod["containers"][0]["image"] == defaults.image
+    assert router["spec"]["replicas"] == RouterSpec().replicas
+    router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[router_args.index("--policy") + 1] == RouterSpec().policy
+
+
+def test_every_field_omitted_yields_the_api_defaults_in_the_autoscaler() -> None:
+    config = config_from_spec(MINIMAL)
+    api = AutoscalingSpec()
+    assert config.pools == {"unified": PoolBounds(PoolSpec().min_replicas, PoolSpec().max_replicas)}
+    assert config.is_advisory == (api.mode == "advisory")
+    assert (config.ttft_p95_s, config.itl_p95_s) == (None, None)
+    assert config.kv_cache_target == api.kv_cache_target
+    assert config.queue_depth_target == api.queue_depth_target
+    assert (config.scale_to_zero, config.idle_seconds) == (api.scale_to_zero.enabled, api.scale_to_zero.idle_seconds)
+    assert (config.up_seconds, config.down_seconds) == (api.stabilization.up_seconds, api.stabilization.down_seconds)
+    assert config.max_step_percent == api.max_step_percent
+    assert (config.pd_ratio_min, config.pd_ratio_max) == (api.prefill_decode_ratio.min, api.prefill_decode_ratio.max)
+    # The policy's own defaults (the simulator uses them) are the API's too: nothing was copied by hand.
+    assert AutoscaleConfig(pools=config.pools) == config
+    assert is_enabled(MINIMAL) is api.enabled
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({**MINIMAL, "pools": {"unified": {"replicas": 2, "maxReplicas": 6}}}, {"unified": 2}),
+        ({**MINIMAL, "replicas": 3, "pools": {"unified": {"replicas": 2, "maxReplicas": 6}}}, {"unified": 3}),
+        (
+            {**MINIMAL, "mode": "disaggregated", "replicas": 4, "pools": {"prefill": {}, "decode": {"maxReplicas": 8}}},
+            {"prefill": 1, "decode": 4},
+        ),
+    ],
+    ids=["pool-replicas", "spec-replicas-wins", "spec-replicas-is-decodes"],
+)
+def test_spec_replicas_means_the_same_to_every_reader(spec: dict[str, Any], expected: dict[str, int]) -> None:
+    assert ServiceView.from_spec(spec).declared_replicas == expected
+    children = build_children("svc", "ns", spec)
+    assert {pool: by_name(children, "Deployment", f"svc-{pool}")["spec"]["replicas"] for pool in expected} == expected
+    assert declared_replicas(spec) == expected
+
+    class NoPods:
+        async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+            return []
+
+    body = {"metadata": {"namespace": "ns", "name": "svc"}, "spec": spec, "status": {}}
+    states = asyncio.run(handlers.current_pools(NoPods(), "ns", "svc", body, None))
+    assert {pool: state.replicas for pool, state in states.items()} == expected  # the autoscaler's starting point
+
+
+def test_a_spec_breaking_a_rule_is_a_spec_error_and_a_bad_shape_a_validation_error() -> None:
+    with pytest.raises(SpecError, match="minReplicas must not exceed maxReplicas"):
+        ServiceView.from_spec({**MINIMAL, "pools": {"unified": {"minReplicas": 5, "replicas": 5, "maxReplicas": 4}}})
+    with pytest.raises(ValidationError):
+        ServiceView.from_spec({**MINIMAL, "engine": {"maxNumSeqs": 0}})
+    assert is_enabled({**MINIMAL, "autoscaling": {"enabled": True}, "engine": {"maxNumSeqs": 0}}) is False
+
+
+def test_the_view_owns_its_copy() -> None:
+    spec = InferenceServiceSpec.model_validate({**MINIMAL, "engine": {"maxNumSeqs": 8}})
+    view = ServiceView.from_spec(spec)
+    spec.engine.max_num_seqs = 64
+    assert view.engine.max_num_seqs == 8
+
+
+def test_pool_resources_apply_the_pools_overrides() -> None:
+    spec = {
+        **MINIMAL,
+        "mode": "disaggregated",
+        "resources": {"gpusPerReplica": 1, "cpu": "4", "memory": "16Gi", "gpuProduct": "A"},
+        "pools": {"prefill": {"resources": {"cpu": "8", "gpuProduct": "B"}}, "decode": {}},
+    }
+    view = ServiceView.from_spec(spec)
+    assert (view.pools["prefill"].resources.cpu, view.pools["prefill"].resources.gpu_product) == ("8", "B")
+    assert view.pools["prefill"].resources.memory == "16Gi"
+    assert (view.pools["decode"].resources.cpu, view.pools["decode"].resources.gpu_product) == ("4", "A")
