@@ -4,8 +4,12 @@
 computes it, the scheduler advances the requests, and this class turns new tokens into text
 (incremental detokenization, stop strings) and `RequestOutput`s. It is synchronous and has
 no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a loop.
-Invariant: a request that fails validation raises `ValueError` before anything is queued,
-so it never affects the requests already running.
+Invariants: a request that fails validation raises `ValueError` before anything is queued,
+so it never affects the requests already running. A request whose own processing raises
+inside a step (the sampler on its parameters, its detokenization) is finished alone with
+`finish_reason="abort"` and `RequestOutput.error`; when the batched run raises, the step's
+sequences are rerun one at a time to find which ones fail (nothing was committed: their KV
+slots are simply written again), so the others carry on with the tokens they would have had.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
+from .isolation import execute_isolated
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
 from .kv_transfer.handoff import KVHandoff
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.loader import load_model
 from .outputs import CompletionOutput, RequestOutput
-from .request import Request, RequestStatus
+from .request import Request, RequestStatus, check_prompt_token_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
+from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
@@ -47,6 +53,7 @@ class _Tracked:
     logprobs: list[dict[int, float]] | None
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
+    error: str | None = None  # why the engine failed this request (it then finishes as aborted)
 
 
 class LLMEngine:
@@ -137,6 +144,9 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.validate_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {max(params.logit_bias)}")
         if kv_transfer is not None:
             if self.handoff is None:
                 raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
@@ -171,19 +181,9 @@ class LLMEngine:
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list | tuple):
             token_ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt or raise max_model_len"
-            )
+        check_prompt_token_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return token_ids, text
 
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
@@ -239,11 +239,10 @@ class LLMEngine:
             )
             for seq in sched_out.scheduled
         )
-        runner_out = self.runner.execute(sched_out)
-        if self.speculator is not None:
-            self.speculator.verify(sched_out, runner_out)
+        runner_out, errors = execute_isolated(self._run, sched_out)
         if self.handoff is not None:
             self.handoff.send_prefilled(sched_out, runner_out)
+        failed = self._fail_requests(errors)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
         now = time.monotonic()
         self.last_stats = self._stats_with(
@@ -255,36 +254,79 @@ class LLMEngine:
             step_num_preemptions=sched_out.num_preemptions,
             step_duration_s=now - start,
         )
-        outputs: list[RequestOutput] = ready
+        outputs: list[RequestOutput] = ready + failed
         stopped_by_text: list[str] = []
+        emit_errors: dict[str, Exception] = {}
         for seq in sched_out.scheduled:
             request = seq.request
             tokens = runner_out.new_token_ids(request.request_id)
-            if not tokens:
+            if not tokens or request.request_id not in self._tracked:
                 continue
-            token = tokens[-1]  # logprobs only come with one-token steps: no speculation for those requests
-            tracked = self._tracked[request.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            entry = runner_out.logprobs.get(request.request_id)
-            if entry is not None and tracked.logprobs is not None:
-                sampled_lp, top = entry
-                tracked.logprobs.append({**dict(top), token: sampled_lp})
-                tracked.cumulative_logprob += sampled_lp
-            match = feed_tokens(tracked.detokenizer, request, tokens)
-            if request.request_id in finished:
-                if request.stop_token_id is not None:
-                    tracked.stop_reason = request.stop_token_id
-                elif match is not None and request.status == RequestStatus.FINISHED_STOPPED:
-                    tracked.stop_reason = match.stop_str  # a stop string before the scheduler's stop token
-                outputs.append(self._finish_output(request))
-            elif match is not None:
-                tracked.stop_reason = match.stop_str
+            try:
+                output = self._emit(request, tokens, runner_out, request.request_id in finished, now)
+            except Exception as err:  # this request's own text or logprobs: fail it alone
+                emit_errors[request.request_id] = err
+                continue
+            if output is None:
                 stopped_by_text.append(request.request_id)
             else:
-                outputs.append(self._output(tracked))
+                outputs.append(output)
+        outputs.extend(self._fail_requests(emit_errors))
         for request in self.scheduler.finish_requests(stopped_by_text, RequestStatus.FINISHED_STOPPED):
+            outputs.append(self._finish_output(request))
+        return outputs
+
+    def _emit(
+        self, request: Request, tokens: list[int], runner_out: ModelRunnerOutput, is_finished: bool, now: float
+    ) -> RequestOutput | None:
+        """The output for a request's new tokens; None when a stop string ended it (the caller finishes it)."""
+        token = tokens[-1]  # logprobs only come with one-token steps: no speculation for those requests
+        tracked = self._tracked[request.request_id]
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        entry = runner_out.logprobs.get(request.request_id)
+        if entry is not None and tracked.logprobs is not None:
+            sampled_lp, top = entry
+            tracked.logprobs.append({**dict(top), token: sampled_lp})
+            tracked.cumulative_logprob += sampled_lp
+        match = feed_tokens(tracked.detokenizer, request, tokens)
+        if is_finished:
+            if request.stop_token_id is not None:
+                tracked.stop_reason = request.stop_token_id
+            elif match is not None and request.status == RequestStatus.FINISHED_STOPPED:
+                tracked.stop_reason = match.stop_str  # a stop string before the scheduler's stop token
+            return self._finish_output(request)
+        if match is not None:
+            tracked.stop_reason = match.stop_str
+            return None
+        return self._output(tracked)
+
+    # ---- per-request failure isolation ---------------------------------------------------------
+    def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        runner_out = self.runner.execute(sched_out)
+        if self.speculator is not None:
+            self.speculator.verify(sched_out, runner_out)
+        return runner_out
+
+    def _fail_requests(self, errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish each failed request as aborted, with its error; the others are untouched."""
+        outputs = []
+        for request_id, err in errors.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            logger.error("request %s failed and is finished with an error; the engine carries on", request_id,
+                         exc_info=err)  # fmt: skip
+            tracked.error = f"{type(err).__name__}: {err}"
+            request = tracked.request
+            if not request.is_finished:
+                # Its KV may be half-written: drop its own blocks from the prefix cache before freeing them.
+                self.kv_cache.discard(request)
+                self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+                if self.handoff is not None:
+                    self.handoff.abort(request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
             outputs.append(self._finish_output(request))
         return outputs
 
@@ -313,7 +355,11 @@ class LLMEngine:
         """A received request now runs: emit its first token (it may already finish the request)."""
         request.first_token_time = request.last_token_time = time.monotonic()
         tracked = self._tracked[request.request_id]
-        match = tracked.detokenizer.update([first_token])
+        try:
+            match = tracked.detokenizer.update([first_token])
+        except Exception as err:
+            self._import_outputs.extend(self._fail_requests({request.request_id: err}))
+            return
         if request.is_finished:
             if request.stop_token_id is not None:
                 tracked.stop_reason = request.stop_token_id
@@ -367,12 +413,18 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
+            error=tracked.error,
         )
 
     def _finish_output(self, request: Request) -> RequestOutput:
+        """The final output; never raises, so a finished request always reaches its caller."""
         tracked = self._tracked.pop(request.request_id)
         request.finished_time = time.monotonic()
-        tracked.detokenizer.finish()
+        try:
+            tracked.detokenizer.finish()
+        except Exception as err:
+            logger.error("request %s: flushing its text failed", request.request_id, exc_info=err)
+            tracked.error = tracked.error or f"{type(err).__name__}: {err}"
         self.sampler.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request.request_id)

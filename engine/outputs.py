@@ -1,4 +1,8 @@
-"""What the engine returns: vLLM-shaped `RequestOutput` / `CompletionOutput` (plain dataclasses)."""
+"""What the engine returns: vLLM-shaped `RequestOutput` / `CompletionOutput` (plain dataclasses).
+
+A request whose own processing failed inside a step (a per-request error the engine isolated,
+so the other requests carried on) finishes with `finish_reason="abort"` and `error` set.
+"""
 
 from __future__ import annotations
 
@@ -32,3 +36,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # monotonic timestamps and counts, for the server's metrics
+    error: str | None = None  # set when the engine finished this request because processing it failed

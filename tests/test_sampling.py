@@ -64,6 +64,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
     assert batch_b[3] == alone
 
 
+def test_seeds_across_the_whole_int64_range_sample(llm: LLM) -> None:
+    # The n completions use seed, seed+1, ...: at the top of the range they wrap around instead of overflowing.
+    for seed in (-(2**63), -1, 2**63 - 1):
+        outputs = llm.generate([PROMPT], SamplingParams(n=2, seed=seed, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [len(c.token_ids) for c in outputs[0].outputs] == [4, 4]
+    assert SamplingParams(seed=2**63 - 1).for_completion(1).seed == -(2**63)
+
+
 def test_different_seeds_give_different_tokens(llm: LLM) -> None:
     params = [SamplingParams(temperature=2.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in (1, 2)]
     first, second = _tokens(llm, [PROMPT, PROMPT], params)
@@ -78,8 +86,11 @@ def test_different_seeds_give_different_tokens(llm: LLM) -> None:
         SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1e-4, max_tokens=12, ignore_eos=True),
+        # Below the greedy floor: dividing logits by these overflowed to garbage (every token id 0) before.
+        SamplingParams(temperature=1e-39, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=5e-324, max_tokens=12, ignore_eos=True),
     ],
-    ids=["top_k=1", "top_p=tiny", "min_p=1", "temperature=tiny"],
+    ids=["top_k=1", "top_p=tiny", "min_p=1", "temperature=tiny", "temperature=1e-39", "temperature=subnormal"],
 )
 def test_degenerate_sampling_equals_greedy(llm: LLM, greedy_tokens: list[int], params: SamplingParams) -> None:
     assert _tokens(llm, [PROMPT], [params])[0] == greedy_tokens[:12]
@@ -190,6 +201,19 @@ def test_frequency_penalty_lowers_the_sampled_share_of_repeated_tokens() -> None
     penalised = [_fake(f"b{i}", SamplingParams(frequency_penalty=1.0), output=[0, 0]) for i in range(400)]
     tokens, _ = sampler.sample(row.repeat(800, 1), plain + penalised)
     assert tokens[400:].count(0) < tokens[:400].count(0) / 2
+
+
+def test_logit_bias_is_added_before_penalties_and_sampling() -> None:
+    logits = [1.0, 2.0, 3.0, 0.5]
+    assert _penalised(logits, SamplingParams(logit_bias={0: 5.0, 3: -100.0}), prompt=[1], output=[]) == pytest.approx(
+        [6.0, 2.0, 3.0, -99.5]
+    )
+    sampler = Sampler(seed=0)
+    forced = [_fake(f"f{i}", SamplingParams(temperature=1.0, logit_bias={1: 100.0})) for i in range(50)]
+    tokens, _ = sampler.sample(torch.tensor([logits]).repeat(50, 1), forced)
+    assert tokens == [1] * 50
+    greedy = [_fake("g", SamplingParams(temperature=0.0, logit_bias={2: -100.0}))]
+    assert sampler.sample(torch.tensor([logits]), greedy)[0] == [1]
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
