@@ -99,7 +99,7 @@ def _add_request_limit_flags(parser: argparse.ArgumentParser) -> None:
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
-        help="largest request body accepted; larger ones get 413 (default: 32 MiB)",
+        help="largest request body accepted; larger ones get 413 (default: 16 MiB)",
     )
     limits.add_argument(
         "--body-read-timeout",

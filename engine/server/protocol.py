@@ -15,13 +15,17 @@ in the vocabulary) are made by `serving.py`, which raises `APIError` with the pa
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    PlainValidator,
     SerializerFunctionWrapHandler,
+    Tag,
     model_serializer,
     model_validator,
 )
@@ -101,11 +105,16 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     return param or None
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+_WALKED = (str, list, tuple, dict, BaseModel)  # what can hold a string
+
+
 def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
     """(where, index) of the first string in `value` holding an unpaired UTF-16 surrogate, else None.
 
     Python's JSON parser turns a lone `\\ud800` escape into such a string; it cannot be encoded as
-    UTF-8, so the tokenizer (and any response echoing it) would fail on it.
+    UTF-8, so the tokenizer (and any response echoing it) would fail on it. Linear in the input,
+    with the per-item work in C where it can be: a 5M-token-id prompt is scanned in a fraction of a second.
     """
     if isinstance(value, str):
         if value.isascii():
@@ -120,19 +129,51 @@ def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | Non
     elif isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list | tuple):
-        items = ((f"[{i}]", item) for i, item in enumerate(value))
+        types = set(map(type, value))
+        if types <= _SCALARS:  # numbers only (token ids): nothing to look at
+            return None
+        if types == {list} and set(map(type, chain.from_iterable(value))) <= _SCALARS:  # lists of token ids
+            return None
+        if types == {str} and find_unpaired_surrogate("".join(value)) is None:  # many strings checked at once
+            return None
+        items = ((i, item) for i, item in enumerate(value) if isinstance(item, _WALKED))
     else:
         return None
     for key, item in items:
-        if isinstance(key, str) and not key.startswith("["):
+        if isinstance(key, int):
+            where = f"{path}[{key}]"
+        else:
             found = find_unpaired_surrogate(key, path)  # a dict key names no parameter of its own
             if found is not None:
                 return found
-            key = f".{key}" if path else key
-        found = find_unpaired_surrogate(item, f"{path}{key}")
+            where = f"{path}.{key}" if path else key
+        found = find_unpaired_surrogate(item, where)
         if found is not None:
             return found
     return None
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form of `prompt` a value is, from its first item: one union member is validated, not four
+    (a union would report an error per item of each member it is not: millions for a long id list)."""
+    if isinstance(value, list) and value:
+        first = value[0]
+        return "str-list" if isinstance(first, str) else "id-lists" if isinstance(first, list) else "id-list"
+    return "id-list" if isinstance(value, list) else "str"
+
+
+def _id_list(value: Any) -> list[int]:
+    # Only the shape here: serving.py checks every id (an int in the vocabulary) after the length check,
+    # so a huge id list costs no per-item work before it is refused.
+    if type(value) is not list:
+        raise PydanticCustomError("token_ids", "a token-id prompt must be a list of integers")
+    return value
+
+
+def _id_lists(value: Any) -> list[list[int]]:
+    if type(value) is not list or not all(type(item) is list for item in value):
+        raise PydanticCustomError("token_ids", "a batch of token-id prompts must be a list of lists of integers")
+    return value
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -201,8 +242,18 @@ class SamplingRequest(_Strict):
         return self
 
 
+# Tags are not identifiers, so `param_from_loc` leaves them out of the parameter it names.
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("str-list")]
+    | Annotated[list[int], PlainValidator(_id_list), Tag("id-list")]
+    | Annotated[list[list[int]], PlainValidator(_id_lists), Tag("id-lists")],
+    Discriminator(_prompt_kind),
+]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)

@@ -145,13 +145,16 @@ class Serving:
             prompt = [prompt]
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
-        check_fan_out(len(prompt) if not isinstance(prompt[0], int) else 1, req.n, self.engine.max_queue_len)
+        # The same dispatch as the schema's (protocol._prompt_kind): by the first item.
         if isinstance(prompt[0], str):
+            check_fan_out(len(prompt), req.n, self.engine.max_queue_len)
             texts: list[str] = prompt  # type: ignore[assignment]
             return await self.engine.guard(self.encoder.encode(texts, "prompt")), list(texts)
-        if isinstance(prompt[0], int):
-            return [list(prompt)], [None]  # type: ignore[arg-type]
-        return [list(p) for p in prompt], [None] * len(prompt)  # type: ignore[union-attr]
+        if isinstance(prompt[0], list):
+            check_fan_out(len(prompt), req.n, self.engine.max_queue_len)
+            return [list(p) for p in prompt], [None] * len(prompt)  # type: ignore[union-attr]
+        check_fan_out(1, req.n, self.engine.max_queue_len)
+        return [list(prompt)], [None]  # type: ignore[arg-type]
 
     async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
