@@ -7,6 +7,8 @@ command line). Two files in CONTROL_DIR steer every engine step:
   long as the test wants, on a fast or a slow machine.
 - `crash` exists: the step raises outside the engine's per-request isolation, as a fault in the
   engine itself would; the engine thread dies.
+- `poison` holds a seed: the sampler raises on every request with that seed, as a per-request
+  fault would; the engine must fail those requests alone and carry on with the others.
 Everything else (HTTP, signals, exit codes, the real engine when neither file exists) is the
 production code, run in its own process like `serve_proc.start_server` runs it.
 """
@@ -21,6 +23,8 @@ from pathlib import Path
 from tidepool.cli import main
 from tidepool.engine.llm_engine import LLMEngine
 from tidepool.engine.outputs import RequestOutput
+from tidepool.engine.request import Request
+from tidepool.engine.sampler import Sampler
 
 _PAUSE_POLL_S = 0.01
 
@@ -39,7 +43,20 @@ def _controlled(control: Path) -> Callable[[LLMEngine], list[RequestOutput]]:
     return step
 
 
+def _poisoned(control: Path) -> Callable[..., None]:
+    real = Sampler._apply_penalties_and_masks
+
+    def apply(self: Sampler, logits: object, row: int, request: Request) -> None:
+        poison = control / "poison"
+        if poison.exists() and request.sampling_params.seed == int(poison.read_text()):
+            raise RuntimeError("per-request fault injected by the test (controlled_serve poison file)")
+        real(self, logits, row, request)  # type: ignore[arg-type]
+
+    return apply
+
+
 if __name__ == "__main__":
     control_dir = Path(sys.argv[1])
     LLMEngine.step = _controlled(control_dir)  # type: ignore[method-assign]
+    Sampler._apply_penalties_and_masks = _poisoned(control_dir)  # type: ignore[method-assign]
     sys.exit(main(sys.argv[2:]))

@@ -41,6 +41,11 @@ class Server:
         else:
             flag.unlink(missing_ok=True)
 
+    def poison_seed(self, seed: int) -> None:
+        """Make the sampler fail every request with this seed (a per-request fault); needs `control_dir`."""
+        assert self.control_dir is not None, "start the server with control_dir to poison requests"
+        (self.control_dir / "poison").write_text(str(seed))
+
     def crash_engine(self) -> None:
         """Make the engine's next step raise (the engine thread dies); needs `control_dir`."""
         assert self.control_dir is not None, "start the server with control_dir to crash its engine"

@@ -183,6 +183,28 @@ def test_dead_engine_exits_nonzero(serve_controlled: Callable[..., Server]) -> N
     assert "engine thread failed" in server.log()
 
 
+def test_a_request_the_engine_fails_on_fails_alone(serve_controlled: Callable[..., Server]) -> None:
+    server = serve_controlled()
+    normal = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(server.api + "/completions", json=normal, timeout=60).json()["choices"][0]["text"]
+    server.poison_seed(666)
+    server.pause()  # all four in the engine together, so the poisoned ones share steps with the healthy ones
+    poisoned = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 24, "seed": 666, "ignore_eos": True}
+    plain = _JsonRequest(server, "/v1/completions", poisoned)
+    stream = _StreamReader(server, "/v1/completions", {**poisoned, "stream": True})
+    healthy = [_JsonRequest(server, "/v1/completions", normal) for _ in range(2)]
+    _wait_for(lambda: server.kv()["num_unfinished"] == 4, "four requests in the (paused) engine")
+    server.pause(False)
+    resp = plain.join()
+    assert resp.status_code == 500 and _error(resp.json())["code"] == "request_failed", resp.text
+    stream.join()
+    assert stream.events[-1] == "[DONE]" and _error(stream.events[-2])["code"] == "request_failed", stream.events
+    for request in healthy:  # the others in the same steps carry on with exactly their tokens
+        assert request.join().json()["choices"][0]["text"] == expected
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    server.wait_pool_free()
+
+
 def test_port_in_use_is_one_clear_line(tiny_model_dir: Path, tmp_path: Path) -> None:
     from serve_proc import _command
 
