@@ -8,15 +8,14 @@ Invariants: a request that fails validation raises `ValueError` before anything 
 so it never affects the requests already running. A request whose own processing raises
 inside a step (the sampler on its parameters, its detokenization) is finished alone with
 `finish_reason="abort"` and `RequestOutput.error`; when the batched run raises, the step's
-sequences are rerun one at a time to find which ones fail (nothing was committed: their KV
-slots are simply written again), so the others carry on with the tokens they would have had.
+sequences are rerun one at a time to find which ones fail (isolation.py), so the others carry
+on with the tokens they would have had. A fault of the engine itself still raises.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,13 +24,13 @@ from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
-from .isolation import execute_isolated
+from .isolation import StepIsolation
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
 from .kv_transfer.handoff import KVHandoff
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.loader import load_model
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import RequestOutput, TrackedRequest
 from .request import Request, RequestStatus, check_prompt_token_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -39,21 +38,10 @@ from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
-from .stats import EngineStats, RequestMetrics
+from .stats import EngineStats
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float = 0.0
-    stop_reason: str | int | None = None
-    error: str | None = None  # why the engine failed this request (it then finishes as aborted)
 
 
 class LLMEngine:
@@ -109,7 +97,8 @@ class LLMEngine:
                 config.show_progress,
             )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
+        self.isolation = StepIsolation()
         # P/D disaggregation (kv_transfer): requests whose KV goes to a decode engine once prefilled,
         # received requests waiting for KV room, and first-token outputs of admitted ones.
         self.handoff = self._make_handoff()
@@ -161,7 +150,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
-        tracked = _Tracked(request, text, detok, [] if params.logprobs is not None else None)
+        tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
         if isinstance(kv_transfer, KVPayload):
             request.output_token_ids.append(kv_transfer.first_token_id)
             self._tracked[request_id] = tracked
@@ -239,7 +228,7 @@ class LLMEngine:
             )
             for seq in sched_out.scheduled
         )
-        runner_out, errors = execute_isolated(self._run, sched_out)
+        runner_out, errors = self.isolation.execute(self._run, sched_out)
         if self.handoff is not None:
             self.handoff.send_prefilled(sched_out, runner_out)
         failed = self._fail_requests(errors)
@@ -300,7 +289,7 @@ class LLMEngine:
         if match is not None:
             tracked.stop_reason = match.stop_str
             return None
-        return self._output(tracked)
+        return tracked.output()
 
     # ---- per-request failure isolation ---------------------------------------------------------
     def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -369,7 +358,7 @@ class LLMEngine:
             for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
                 self._import_outputs.append(self._finish_output(done))
         else:
-            self._import_outputs.append(self._output(tracked))
+            self._import_outputs.append(tracked.output())
 
     def close(self) -> None:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
@@ -379,43 +368,6 @@ class LLMEngine:
             self.executor.shutdown()
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _output(self, tracked: _Tracked, finished: bool = False) -> RequestOutput:
-        request = tracked.request
-        detok = tracked.detokenizer
-        if not finished:
-            detok.get_delta_text()  # advance the streamed offset past text no stop string can cut
-        text = detok.output_text if finished else detok.output_text[: detok.num_sent_chars]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=tracked.stop_reason,
-            logprobs=tracked.logprobs,
-            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
-        )
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            last_token_time=request.last_token_time,
-            finished_time=request.finished_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generation_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=metrics,
-            error=tracked.error,
-        )
-
     def _finish_output(self, request: Request) -> RequestOutput:
         """The final output; never raises, so a finished request always reaches its caller."""
         tracked = self._tracked.pop(request.request_id)
@@ -428,7 +380,7 @@ class LLMEngine:
         self.sampler.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request.request_id)
-        return self._output(tracked, finished=True)
+        return tracked.output(finished=True)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _size_kv_cache(self, kv_config: ModelConfig) -> int:

@@ -274,3 +274,47 @@ def test_a_request_failing_inside_a_step_is_finished_alone(tiny_model_dir: Path,
     assert {rid: out.outputs[0].token_ids for rid, out in failed.items()} == {
         rid: clean[rid].outputs[0].token_ids for rid, _, _ in RUNNING
     }
+
+
+# ---- ...but a broken engine is never hidden behind per-request failures --------------------------------
+def _step_of(*request_ids: str) -> Any:
+    from tidepool.engine.request import Request
+    from tidepool.engine.sched_output import ScheduledSeq, SchedulerOutput
+
+    seqs = [ScheduledSeq(Request(rid, [5], SamplingParams()), 0, 1, [0], True) for rid in request_ids]
+    return SchedulerOutput(seqs, len(seqs))
+
+
+def _runner(failing: set[str], error: Exception | None = None) -> Any:
+    from tidepool.engine.sched_output import ModelRunnerOutput
+
+    def run(sched_out: Any) -> ModelRunnerOutput:
+        ids = {seq.request.request_id for seq in sched_out.scheduled}
+        if ids & failing:
+            raise error or RuntimeError(f"fails on {sorted(ids & failing)}")
+        return ModelRunnerOutput(sampled_token_ids=dict.fromkeys(ids, 7))
+
+    return run
+
+
+def test_step_isolation_tells_a_request_fault_from_an_engine_fault() -> None:
+    from tidepool.engine.distributed.executor import WorkerFailedError
+    from tidepool.engine.isolation import StepIsolation
+
+    isolation = StepIsolation(max_failed_steps=3)
+    out, errors = isolation.execute(_runner({"b"}), _step_of("a", "b", "c"))
+    assert out.sampled_token_ids == {"a": 7, "c": 7} and set(errors) == {"b"}
+    # Every sequence fails even alone: the engine is at fault, not a request.
+    with pytest.raises(RuntimeError):
+        isolation.execute(_runner({"a", "b"}), _step_of("a", "b"))
+    # A dead worker is fatal at once, whatever the batch.
+    with pytest.raises(WorkerFailedError):
+        isolation.execute(_runner({"b"}, WorkerFailedError("rank 1 died")), _step_of("a", "b"))
+    # A lone sequence failing is its own fault... until nothing has run for max_failed_steps steps in a row.
+    for _ in range(2):
+        assert set(isolation.execute(_runner({"x"}), _step_of("x"))[1]) == {"x"}
+    isolation.execute(_runner(set()), _step_of("y"))  # a healthy step resets the count
+    for _ in range(2):
+        assert set(isolation.execute(_runner({"x"}), _step_of("x"))[1]) == {"x"}
+    with pytest.raises(RuntimeError):
+        isolation.execute(_runner({"x"}), _step_of("x"))
