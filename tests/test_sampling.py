@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.request import Request
@@ -343,3 +346,54 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert tokenizer.decode(result.prompt_token_ids, skip_special_tokens=False) == text
     plain = llm.generate(tokenizer.encode(text, add_special_tokens=False), _greedy(4), use_tqdm=False)[0]
     assert result.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+# ---- stop strings: the held-back text, exactly and in linear time ------------------------------------
+def _held_reference(text: str, stops: list[str]) -> int:
+    """The longest suffix of `text` that is a proper prefix of a stop string (the definition, by brute force)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.text(alphabet=st.sampled_from(list("aab \n")), max_size=40),
+    stops=st.lists(st.text(alphabet=st.sampled_from(list("ab ")), min_size=1, max_size=6), min_size=1, max_size=3),
+)
+def test_held_back_text_is_the_longest_stop_prefix(tiny_model_dir: Path, text: str, stops: list[str]) -> None:
+    from tidepool.engine.detokenizer import IncrementalDetokenizer
+    from tidepool.engine.tokenizer import Tokenizer
+
+    tokenizer = _tokenizer(tiny_model_dir)
+    detok = IncrementalDetokenizer(tokenizer, [], stops)
+    for token_id in tokenizer.encode(text, add_special_tokens=False):
+        if detok.update([token_id]) is not None:
+            break
+        assert detok._num_held_chars() == _held_reference(detok.output_text, stops), (detok.output_text, stops)
+    assert isinstance(tokenizer, Tokenizer)
+
+
+def test_long_repetitive_stop_strings_hold_back_exactly(tiny_model_dir: Path) -> None:
+    # The server's limits (64 stop strings of up to 1024 characters), all sharing a repetitive prefix.
+    from tidepool.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = _tokenizer(tiny_model_dir)
+    stops = ["a" * 1023 + str(i % 10) for i in range(64)]
+    detok = IncrementalDetokenizer(tokenizer, [], stops)
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    for n in range(1, 1100):
+        assert detok.update([a]) is None
+        assert detok._num_held_chars() == min(n, 1023)
+    [one] = tokenizer.encode("1", add_special_tokens=False)
+    match = detok.update([one])
+    assert match is not None and match.stop_str == stops[1] and detok.output_text == "a" * 76
+
+
+_TOKENIZERS: dict[Path, object] = {}
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from tidepool.engine.tokenizer import Tokenizer
+
+    if model_dir not in _TOKENIZERS:
+        _TOKENIZERS[model_dir] = Tokenizer.from_pretrained(model_dir)
+    return _TOKENIZERS[model_dir]

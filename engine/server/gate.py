@@ -10,7 +10,11 @@ Invariants:
   between two parts of its body gets 408. Both bodies are OpenAI-shaped errors.
 - A request counts as in flight (and holds a drain) only once its body is complete: an upload
   still in progress when the drain starts is answered 503 `draining` at once, so stalled
-  uploads never hold a shutdown. Refusals sent before the body was read close the connection.
+  uploads never hold a shutdown.
+- A refusal sent before the whole body arrived closes the connection, after reading and
+  discarding what the client is still sending for a short while (a "lingering close", bounded by
+  `_LINGER_S`): closing on unread data makes the kernel reset the connection, and a client still
+  uploading would lose the answer.
 - In-flight counting wraps the whole ASGI call, so a streamed response counts until its last
   byte is sent.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -29,9 +34,14 @@ if TYPE_CHECKING:
     from .app import ServerState
 
 
+_LINGER_S = 5.0  # at most this long discarding the rest of a refused body before answering
+_LINGER_PAUSE_S = 0.5  # a client that sends nothing for this long is not uploading any more
+
+
 class _Refused(Exception):
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, more_body: bool = True) -> None:
         self.error = error
+        self.more_body = more_body  # whether the client may still be sending its body
 
 
 class _ClientGone(Exception):
@@ -50,15 +60,18 @@ class RequestGate:
         state = self.state
         reason = state.not_ready_reason()
         if reason is not None:
-            await send_error(send, _not_accepting(reason))
+            await _discard_rest(receive)
+            await send_error(send, _not_accepting(reason), close=True)
             return
         state.num_receiving += 1
         try:
             body = await self._read_body(scope, receive)
-        except _Refused as refused:
-            await send_error(send, refused.error, close=True)
-            return
         except _ClientGone:
+            return
+        except _Refused as refused:
+            if refused.more_body:
+                await _discard_rest(receive)
+            await send_error(send, refused.error, close=True)
             return
         finally:
             state.num_receiving -= 1
@@ -81,10 +94,11 @@ class RequestGate:
                 raise _ClientGone
             chunk = message.get("body", b"")
             size += len(chunk)
+            more_body = message.get("more_body", False)
             if size > limit:
-                raise _Refused(_too_large(size, limit, at_least=True))
+                raise _Refused(_too_large(size, limit, at_least=more_body), more_body)
             chunks.append(chunk)
-            if not message.get("more_body", False):
+            if not more_body:
                 return b"".join(chunks)
 
     async def _next_message(self, receive: Receive) -> Message:
@@ -111,6 +125,18 @@ class RequestGate:
                 code="body_read_timeout",
             )
         )
+
+
+async def _discard_rest(receive: Receive) -> None:
+    """Read and drop what the client still sends, until its body ends, it pauses or `_LINGER_S` is over."""
+    deadline = time.monotonic() + _LINGER_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), min(remaining, _LINGER_PAUSE_S))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

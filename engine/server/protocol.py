@@ -146,7 +146,8 @@ def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | Non
             found = find_unpaired_surrogate(key, path)  # a dict key names no parameter of its own
             if found is not None:
                 return found
-            where = f"{path}.{key}" if path else key
+            shown = key if len(key) <= 40 else key[:40] + "..."  # a huge key must not make a huge message
+            where = f"{path}.{shown}" if path else shown
         found = find_unpaired_surrogate(item, where)
         if found is not None:
             return found

@@ -170,6 +170,10 @@ def test_request_body_limit_gives_413(serve: Callable[..., Server]) -> None:
     resp = httpx.post(server.api + "/completions", content=chunked(), timeout=30,
                       headers={"content-type": "application/json"})  # fmt: skip
     assert resp.status_code == 413 and _error(resp.json())["code"] == "request_too_large", resp.text
+    # Far over the limit: the client is still uploading when the answer is ready, and must still read it
+    # (the server reads and drops the rest before closing, instead of resetting the connection).
+    huge = httpx.post(server.api + "/completions", json={**big, "prompt": "x" * 4_000_000}, timeout=60)
+    assert huge.status_code == 413 and _error(huge.json())["code"] == "request_too_large", huge.text
     small = httpx.post(server.api + "/completions", json={**big, "prompt": "x" * 100}, timeout=30)
     assert small.status_code == 200, small.text
 
