@@ -94,7 +94,7 @@ def _check(server: Server, expected: list[str], path: str, body: dict[str, Any])
     assert _baseline(server) == expected  # the engine is alive and undisturbed
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, database=None,
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(prompt=prompts, extra=overrides, limit=lengths)
@@ -115,7 +115,7 @@ def test_completions_fuzz(
     _check(fuzz_server, expected_tokens, "/v1/completions", body)
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, database=None,
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(msgs=messages, extra=overrides, limit=lengths)
