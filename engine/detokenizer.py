@@ -13,6 +13,8 @@ Invariants:
   before it, so a stop string split over several tokens is still found.
 - `get_delta_text()` never returns text that a later stop string could cut: trailing characters
   that are a prefix of some stop string are held back until they are proven safe or `finish()`.
+  How many is tracked per stop string as a KMP automaton state fed each new character, so the
+  work per token is linear in its text for every stop string (never quadratic in a long one).
 - Concatenating every delta (including the one after `finish()`) gives exactly `output_text`.
 """
 
@@ -62,6 +64,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self.output_token_ids: list[int] = []
         self.output_text = ""
+        # Per stop string: its KMP failure function, and the length of its longest prefix that ends the text.
+        self._stop_failure = [_failure_function(s) for s in self.stop]
+        self._stop_state = [0] * len(self.stop)
         self.stop_match: StopMatch | None = None
         self.is_finished = False
         self._num_sent_chars = 0
@@ -103,14 +108,18 @@ class IncrementalDetokenizer:
 
     def _num_held_chars(self) -> int:
         """Length of the longest output suffix that is a proper prefix of a stop string."""
-        held = 0
-        text = self.output_text
-        for stop_str in self.stop:
-            for size in range(min(len(stop_str) - 1, len(text)), held, -1):
-                if text.endswith(stop_str[:size]):
-                    held = size
-                    break
-        return held
+        return max(self._stop_state, default=0)
+
+    def _advance_stop_states(self, new_text: str) -> None:
+        # No stop string occurs in the text (update() would have ended it), so no state reaches its length.
+        for index, stop_str in enumerate(self.stop):
+            failure, state = self._stop_failure[index], self._stop_state[index]
+            for char in new_text:
+                while state and stop_str[state] != char:
+                    state = failure[state - 1]
+                if stop_str[state] == char:
+                    state += 1
+            self._stop_state[index] = state
 
     # -- public API ------------------------------------------------------------------------------------
 
@@ -133,6 +142,7 @@ class IncrementalDetokenizer:
                 self.stop_match = StopMatch(stop_str=stop_str, num_tokens_used=num_used)
                 self.is_finished = True
                 return self.stop_match
+            self._advance_stop_states(delta)
         return None
 
     def finish(self) -> str:
@@ -156,3 +166,16 @@ class IncrementalDetokenizer:
         delta = self.output_text[self._num_sent_chars : end]
         self._num_sent_chars = end
         return delta
+
+
+def _failure_function(pattern: str) -> list[int]:
+    """KMP: entry i is the length of the longest proper prefix of pattern[: i + 1] that is also its suffix."""
+    failure = [0] * len(pattern)
+    length = 0
+    for i in range(1, len(pattern)):
+        while length and pattern[i] != pattern[length]:
+            length = failure[length - 1]
+        if pattern[i] == pattern[length]:
+            length += 1
+        failure[i] = length
+    return failure

@@ -4,15 +4,18 @@
 computes it, the scheduler advances the requests, and this class turns new tokens into text
 (incremental detokenization, stop strings) and `RequestOutput`s. It is synchronous and has
 no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a loop.
-Invariant: a request that fails validation raises `ValueError` before anything is queued,
-so it never affects the requests already running.
+Invariants: a request that fails validation raises `ValueError` before anything is queued,
+so it never affects the requests already running. A request whose own processing raises
+inside a step (the sampler on its parameters, its detokenization) is finished alone with
+`finish_reason="abort"` and `RequestOutput.error`; when the batched run raises, the step's
+sequences are rerun one at a time to find which ones fail (isolation.py), so the others carry
+on with the tokens they would have had. A fault of the engine itself still raises.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,32 +24,24 @@ from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
+from .isolation import StepIsolation
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
 from .kv_transfer.handoff import KVHandoff
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.loader import load_model
-from .outputs import CompletionOutput, RequestOutput
-from .request import Request, RequestStatus
+from .outputs import RequestOutput, TrackedRequest
+from .request import Request, RequestStatus, check_prompt_token_ids
 from .sampler import Sampler
 from .sampling_params import SamplingParams
+from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
-from .stats import EngineStats, RequestMetrics
+from .stats import EngineStats
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float = 0.0
-    stop_reason: str | int | None = None
 
 
 class LLMEngine:
@@ -102,7 +97,8 @@ class LLMEngine:
                 config.show_progress,
             )  # fmt: skip
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
+        self.isolation = StepIsolation()
         # P/D disaggregation (kv_transfer): requests whose KV goes to a decode engine once prefilled,
         # received requests waiting for KV room, and first-token outputs of admitted ones.
         self.handoff = self._make_handoff()
@@ -137,6 +133,9 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.validate_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {max(params.logit_bias)}")
         if kv_transfer is not None:
             if self.handoff is None:
                 raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
@@ -151,7 +150,7 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
-        tracked = _Tracked(request, text, detok, [] if params.logprobs is not None else None)
+        tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
         if isinstance(kv_transfer, KVPayload):
             request.output_token_ids.append(kv_transfer.first_token_id)
             self._tracked[request_id] = tracked
@@ -171,19 +170,9 @@ class LLMEngine:
             token_ids, text = self.tokenizer.encode(prompt), prompt
         elif isinstance(prompt, list | tuple):
             token_ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         else:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                "shorten the prompt or raise max_model_len"
-            )
+        check_prompt_token_ids(token_ids, self.model_config.vocab_size, self.max_model_len)
         return token_ids, text
 
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
@@ -239,11 +228,10 @@ class LLMEngine:
             )
             for seq in sched_out.scheduled
         )
-        runner_out = self.runner.execute(sched_out)
-        if self.speculator is not None:
-            self.speculator.verify(sched_out, runner_out)
+        runner_out, errors = self.isolation.execute(self._run, sched_out)
         if self.handoff is not None:
             self.handoff.send_prefilled(sched_out, runner_out)
+        failed = self._fail_requests(errors)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
         now = time.monotonic()
         self.last_stats = self._stats_with(
@@ -255,36 +243,79 @@ class LLMEngine:
             step_num_preemptions=sched_out.num_preemptions,
             step_duration_s=now - start,
         )
-        outputs: list[RequestOutput] = ready
+        outputs: list[RequestOutput] = ready + failed
         stopped_by_text: list[str] = []
+        emit_errors: dict[str, Exception] = {}
         for seq in sched_out.scheduled:
             request = seq.request
             tokens = runner_out.new_token_ids(request.request_id)
-            if not tokens:
+            if not tokens or request.request_id not in self._tracked:
                 continue
-            token = tokens[-1]  # logprobs only come with one-token steps: no speculation for those requests
-            tracked = self._tracked[request.request_id]
-            if request.first_token_time is None:
-                request.first_token_time = now
-            request.last_token_time = now
-            entry = runner_out.logprobs.get(request.request_id)
-            if entry is not None and tracked.logprobs is not None:
-                sampled_lp, top = entry
-                tracked.logprobs.append({**dict(top), token: sampled_lp})
-                tracked.cumulative_logprob += sampled_lp
-            match = feed_tokens(tracked.detokenizer, request, tokens)
-            if request.request_id in finished:
-                if request.stop_token_id is not None:
-                    tracked.stop_reason = request.stop_token_id
-                elif match is not None and request.status == RequestStatus.FINISHED_STOPPED:
-                    tracked.stop_reason = match.stop_str  # a stop string before the scheduler's stop token
-                outputs.append(self._finish_output(request))
-            elif match is not None:
-                tracked.stop_reason = match.stop_str
+            try:
+                output = self._emit(request, tokens, runner_out, request.request_id in finished, now)
+            except Exception as err:  # this request's own text or logprobs: fail it alone
+                emit_errors[request.request_id] = err
+                continue
+            if output is None:
                 stopped_by_text.append(request.request_id)
             else:
-                outputs.append(self._output(tracked))
+                outputs.append(output)
+        outputs.extend(self._fail_requests(emit_errors))
         for request in self.scheduler.finish_requests(stopped_by_text, RequestStatus.FINISHED_STOPPED):
+            outputs.append(self._finish_output(request))
+        return outputs
+
+    def _emit(
+        self, request: Request, tokens: list[int], runner_out: ModelRunnerOutput, is_finished: bool, now: float
+    ) -> RequestOutput | None:
+        """The output for a request's new tokens; None when a stop string ended it (the caller finishes it)."""
+        token = tokens[-1]  # logprobs only come with one-token steps: no speculation for those requests
+        tracked = self._tracked[request.request_id]
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        entry = runner_out.logprobs.get(request.request_id)
+        if entry is not None and tracked.logprobs is not None:
+            sampled_lp, top = entry
+            tracked.logprobs.append({**dict(top), token: sampled_lp})
+            tracked.cumulative_logprob += sampled_lp
+        match = feed_tokens(tracked.detokenizer, request, tokens)
+        if is_finished:
+            if request.stop_token_id is not None:
+                tracked.stop_reason = request.stop_token_id
+            elif match is not None and request.status == RequestStatus.FINISHED_STOPPED:
+                tracked.stop_reason = match.stop_str  # a stop string before the scheduler's stop token
+            return self._finish_output(request)
+        if match is not None:
+            tracked.stop_reason = match.stop_str
+            return None
+        return tracked.output()
+
+    # ---- per-request failure isolation ---------------------------------------------------------
+    def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        runner_out = self.runner.execute(sched_out)
+        if self.speculator is not None:
+            self.speculator.verify(sched_out, runner_out)
+        return runner_out
+
+    def _fail_requests(self, errors: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish each failed request as aborted, with its error; the others are untouched."""
+        outputs = []
+        for request_id, err in errors.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is None:
+                continue
+            logger.error("request %s failed and is finished with an error; the engine carries on", request_id,
+                         exc_info=err)  # fmt: skip
+            tracked.error = f"{type(err).__name__}: {err}"
+            request = tracked.request
+            if not request.is_finished:
+                # Its KV may be half-written: drop its own blocks from the prefix cache before freeing them.
+                self.kv_cache.discard(request)
+                self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+                if self.handoff is not None:
+                    self.handoff.abort(request_id)
+                request.status = RequestStatus.FINISHED_ABORTED
             outputs.append(self._finish_output(request))
         return outputs
 
@@ -313,7 +344,11 @@ class LLMEngine:
         """A received request now runs: emit its first token (it may already finish the request)."""
         request.first_token_time = request.last_token_time = time.monotonic()
         tracked = self._tracked[request.request_id]
-        match = tracked.detokenizer.update([first_token])
+        try:
+            match = tracked.detokenizer.update([first_token])
+        except Exception as err:
+            self._import_outputs.extend(self._fail_requests({request.request_id: err}))
+            return
         if request.is_finished:
             if request.stop_token_id is not None:
                 tracked.stop_reason = request.stop_token_id
@@ -323,7 +358,7 @@ class LLMEngine:
             for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
                 self._import_outputs.append(self._finish_output(done))
         else:
-            self._import_outputs.append(self._output(tracked))
+            self._import_outputs.append(tracked.output())
 
     def close(self) -> None:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
@@ -333,50 +368,19 @@ class LLMEngine:
             self.executor.shutdown()
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _output(self, tracked: _Tracked, finished: bool = False) -> RequestOutput:
-        request = tracked.request
-        detok = tracked.detokenizer
-        if not finished:
-            detok.get_delta_text()  # advance the streamed offset past text no stop string can cut
-        text = detok.output_text if finished else detok.output_text[: detok.num_sent_chars]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=tracked.stop_reason,
-            logprobs=tracked.logprobs,
-            cumulative_logprob=tracked.cumulative_logprob if tracked.logprobs is not None else None,
-        )
-        metrics = RequestMetrics(
-            arrival_time=request.arrival_time,
-            first_scheduled_time=request.first_scheduled_time,
-            first_token_time=request.first_token_time,
-            last_token_time=request.last_token_time,
-            finished_time=request.finished_time,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_generation_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_preemptions=request.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=metrics,
-        )
-
     def _finish_output(self, request: Request) -> RequestOutput:
+        """The final output; never raises, so a finished request always reaches its caller."""
         tracked = self._tracked.pop(request.request_id)
         request.finished_time = time.monotonic()
-        tracked.detokenizer.finish()
+        try:
+            tracked.detokenizer.finish()
+        except Exception as err:
+            logger.error("request %s: flushing its text failed", request.request_id, exc_info=err)
+            tracked.error = tracked.error or f"{type(err).__name__}: {err}"
         self.sampler.release(request.request_id)
         if self.speculator is not None:
             self.speculator.release(request.request_id)
-        return self._output(tracked, finished=True)
+        return tracked.output(finished=True)
 
     # ---- sizing -------------------------------------------------------------------------------
     def _size_kv_cache(self, kv_config: ModelConfig) -> int:

@@ -42,6 +42,8 @@ SPEC_DECODE_COUNTERS = (SPEC_DECODE_NUM_DRAFT_TOKENS, SPEC_DECODE_NUM_ACCEPTED_T
 # Histograms
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"  # arrival -> first token
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"  # between consecutive tokens of a request
+# The same intervals under vLLM's older name, which dashboards and autoscalers built for vLLM still read.
+TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:time_per_output_token_seconds"
 E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"  # arrival -> finished
 REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"  # arrival -> first scheduled
 REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"  # first scheduled -> first token
@@ -55,6 +57,7 @@ COUNTERS = (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, NUM_PREEMPTIONS, 
 HISTOGRAMS = (
     TIME_TO_FIRST_TOKEN_SECONDS,
     INTER_TOKEN_LATENCY_SECONDS,
+    TIME_PER_OUTPUT_TOKEN_SECONDS,
     E2E_REQUEST_LATENCY_SECONDS,
     REQUEST_QUEUE_TIME_SECONDS,
     REQUEST_PREFILL_TIME_SECONDS,

@@ -1,10 +1,21 @@
-"""What the engine returns: vLLM-shaped `RequestOutput` / `CompletionOutput` (plain dataclasses)."""
+"""What the engine returns: vLLM-shaped `RequestOutput` / `CompletionOutput` (plain dataclasses).
+
+`TrackedRequest` is the engine's per-request output state (detokenizer, logprobs so far, why it
+stopped or failed) and builds each `RequestOutput` from it. A request whose own processing
+failed inside a step (a per-request error the engine isolated, so the other requests carried
+on) finishes with `finish_reason="abort"` and `error` set.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .stats import RequestMetrics
+
+if TYPE_CHECKING:
+    from .detokenizer import IncrementalDetokenizer
+    from .request import Request
 
 
 @dataclass(slots=True)
@@ -32,3 +43,55 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # monotonic timestamps and counts, for the server's metrics
+    error: str | None = None  # set when the engine finished this request because processing it failed
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """One unfinished request's output state, kept by the engine until its final output."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float = 0.0
+    stop_reason: str | int | None = None
+    error: str | None = None  # why the engine failed this request (it then finishes as aborted)
+
+    def output(self, finished: bool = False) -> RequestOutput:
+        """The request's output now: while running, only the text no stop string can still cut."""
+        request = self.request
+        detok = self.detokenizer
+        if not finished:
+            detok.get_delta_text()  # advance the streamed offset past text no stop string can cut
+        text = detok.output_text if finished else detok.output_text[: detok.num_sent_chars]
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(request.output_token_ids),
+            finish_reason=request.status.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+        )
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time,
+            last_token_time=request.last_token_time,
+            finished_time=request.finished_time,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
+            error=self.error,
+        )

@@ -3,6 +3,8 @@
 Invariants: `num_computed_tokens <= num_tokens`; tokens are only ever appended
 (`output_token_ids`), never rewritten, so a preempted request resumes by recomputing its
 KV from its own tokens. No torch here: the scheduler and KV manager use this class.
+`check_prompt_token_ids` is the one definition of a valid token-id prompt, shared by the
+engine and the HTTP server (which checks before queueing, from the engine's read-only info).
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ class RequestStatus(enum.Enum):
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """ValueError saying what to fix unless `token_ids` is a non-empty prompt of in-vocabulary ids that fits."""
+    if not token_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    if len(token_ids) > max_model_len:  # first: a huge list is refused without scanning it
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens but max_model_len is {max_model_len}; "
+            "shorten the prompt or raise max_model_len"
+        )
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})

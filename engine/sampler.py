@@ -1,8 +1,9 @@
 """Turns the step's logits into next tokens, one row per sequence that samples this step.
 
-Order, as in vLLM: logprobs come from the raw model distribution; then penalties
-(repetition over prompt+output, presence/frequency over output), the `min_tokens` mask on
-EOS/stop tokens, then greedy argmax or temperature → top-k → top-p → min-p → sample.
+Order, as in vLLM: logprobs come from the raw model distribution; then `logit_bias` (added to
+the logits, as OpenAI defines it), penalties (repetition over prompt+output, presence/frequency
+over output), the `min_tokens` mask on EOS/stop tokens, then greedy argmax (also for a
+temperature below `GREEDY_TEMPERATURE`) or temperature → top-k → top-p → min-p → sample.
 Sampling is an exponential race (argmax of p / Exp(1) noise) whose noise for a seeded request
 comes from that request's own generator, so its tokens do not depend on what else is in the
 batch. Generators persist across steps and preemptions; `release` drops them when a request ends.
@@ -87,6 +88,12 @@ class Sampler:
     def _apply_penalties_and_masks(self, logits: torch.Tensor, row: int, request: Request) -> None:
         params = request.sampling_params
         vocab = logits.shape[1]
+        if params.logit_bias:
+            # The engine refuses ids outside the model's vocabulary; the filter keeps a padded vocab safe.
+            bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab]
+            if bias:
+                ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+                logits[row, ids] += torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             ids = [t for t in request.all_token_ids if t < vocab]

@@ -34,6 +34,7 @@ GROUPS: dict[str, str] = {
     "disagg": "prefill/decode disaggregation",
     "parallel": "parallelism (one replica over several ranks, optionally several nodes)",
     "server": "server",
+    "limits": "request limits",
 }
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "json": str}
 
@@ -142,6 +143,11 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("drain-timeout", "float", 30.0, "seconds in-flight requests get to finish after SIGTERM",
               group="server", managed=True),
     ServeFlag("access-log", "switch", False, "log every HTTP request", group="server"),
+    # Also caps the event loop's JSON parsing of one body (worst case ~0.1 s per MB on a slow core).
+    ServeFlag("max-body-bytes", "int", 16 << 20, "largest request body accepted; larger ones get 413 "
+              "(default: 16 MiB)", group="limits"),
+    ServeFlag("body-read-timeout", "float", 30.0, "seconds a client may pause while sending a request body "
+              "before it gets 408", group="limits"),
 )  # fmt: skip
 
 FLAGS: dict[str, ServeFlag] = {f.name: f for f in SERVE_FLAGS}

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.request import Request
@@ -64,6 +67,14 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
     assert batch_b[3] == alone
 
 
+def test_seeds_across_the_whole_int64_range_sample(llm: LLM) -> None:
+    # The n completions use seed, seed+1, ...: at the top of the range they wrap around instead of overflowing.
+    for seed in (-(2**63), -1, 2**63 - 1):
+        outputs = llm.generate([PROMPT], SamplingParams(n=2, seed=seed, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert [len(c.token_ids) for c in outputs[0].outputs] == [4, 4]
+    assert SamplingParams(seed=2**63 - 1).for_completion(1).seed == -(2**63)
+
+
 def test_different_seeds_give_different_tokens(llm: LLM) -> None:
     params = [SamplingParams(temperature=2.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in (1, 2)]
     first, second = _tokens(llm, [PROMPT, PROMPT], params)
@@ -78,8 +89,11 @@ def test_different_seeds_give_different_tokens(llm: LLM) -> None:
         SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=1e-4, max_tokens=12, ignore_eos=True),
+        # Below the greedy floor: dividing logits by these overflowed to garbage (every token id 0) before.
+        SamplingParams(temperature=1e-39, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=5e-324, max_tokens=12, ignore_eos=True),
     ],
-    ids=["top_k=1", "top_p=tiny", "min_p=1", "temperature=tiny"],
+    ids=["top_k=1", "top_p=tiny", "min_p=1", "temperature=tiny", "temperature=1e-39", "temperature=subnormal"],
 )
 def test_degenerate_sampling_equals_greedy(llm: LLM, greedy_tokens: list[int], params: SamplingParams) -> None:
     assert _tokens(llm, [PROMPT], [params])[0] == greedy_tokens[:12]
@@ -190,6 +204,19 @@ def test_frequency_penalty_lowers_the_sampled_share_of_repeated_tokens() -> None
     penalised = [_fake(f"b{i}", SamplingParams(frequency_penalty=1.0), output=[0, 0]) for i in range(400)]
     tokens, _ = sampler.sample(row.repeat(800, 1), plain + penalised)
     assert tokens[400:].count(0) < tokens[:400].count(0) / 2
+
+
+def test_logit_bias_is_added_before_penalties_and_sampling() -> None:
+    logits = [1.0, 2.0, 3.0, 0.5]
+    assert _penalised(logits, SamplingParams(logit_bias={0: 5.0, 3: -100.0}), prompt=[1], output=[]) == pytest.approx(
+        [6.0, 2.0, 3.0, -99.5]
+    )
+    sampler = Sampler(seed=0)
+    forced = [_fake(f"f{i}", SamplingParams(temperature=1.0, logit_bias={1: 100.0})) for i in range(50)]
+    tokens, _ = sampler.sample(torch.tensor([logits]).repeat(50, 1), forced)
+    assert tokens == [1] * 50
+    greedy = [_fake("g", SamplingParams(temperature=0.0, logit_bias={2: -100.0}))]
+    assert sampler.sample(torch.tensor([logits]), greedy)[0] == [1]
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
@@ -319,3 +346,54 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert tokenizer.decode(result.prompt_token_ids, skip_special_tokens=False) == text
     plain = llm.generate(tokenizer.encode(text, add_special_tokens=False), _greedy(4), use_tqdm=False)[0]
     assert result.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+# ---- stop strings: the held-back text, exactly and in linear time ------------------------------------
+def _held_reference(text: str, stops: list[str]) -> int:
+    """The longest suffix of `text` that is a proper prefix of a stop string (the definition, by brute force)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.text(alphabet=st.sampled_from(list("aab \n")), max_size=40),
+    stops=st.lists(st.text(alphabet=st.sampled_from(list("ab ")), min_size=1, max_size=6), min_size=1, max_size=3),
+)
+def test_held_back_text_is_the_longest_stop_prefix(tiny_model_dir: Path, text: str, stops: list[str]) -> None:
+    from tidepool.engine.detokenizer import IncrementalDetokenizer
+    from tidepool.engine.tokenizer import Tokenizer
+
+    tokenizer = _tokenizer(tiny_model_dir)
+    detok = IncrementalDetokenizer(tokenizer, [], stops)
+    for token_id in tokenizer.encode(text, add_special_tokens=False):
+        if detok.update([token_id]) is not None:
+            break
+        assert detok._num_held_chars() == _held_reference(detok.output_text, stops), (detok.output_text, stops)
+    assert isinstance(tokenizer, Tokenizer)
+
+
+def test_long_repetitive_stop_strings_hold_back_exactly(tiny_model_dir: Path) -> None:
+    # The server's limits (64 stop strings of up to 1024 characters), all sharing a repetitive prefix.
+    from tidepool.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = _tokenizer(tiny_model_dir)
+    stops = ["a" * 1023 + str(i % 10) for i in range(64)]
+    detok = IncrementalDetokenizer(tokenizer, [], stops)
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    for n in range(1, 1100):
+        assert detok.update([a]) is None
+        assert detok._num_held_chars() == min(n, 1023)
+    [one] = tokenizer.encode("1", add_special_tokens=False)
+    match = detok.update([one])
+    assert match is not None and match.stop_str == stops[1] and detok.output_text == "a" * 76
+
+
+_TOKENIZERS: dict[Path, object] = {}
+
+
+def _tokenizer(model_dir: Path) -> Any:
+    from tidepool.engine.tokenizer import Tokenizer
+
+    if model_dir not in _TOKENIZERS:
+        _TOKENIZERS[model_dir] = Tokenizer.from_pretrained(model_dir)
+    return _TOKENIZERS[model_dir]

@@ -5,12 +5,15 @@ Role: the HTTP surface. `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
 
 Lifecycle: the app answers at once; the model loads in a background thread, and until it is
 in place `/ready` is 503 and API calls get 503 `loading`. `drain()` (called on SIGTERM) turns
-readiness false, answers new API calls with 503 `draining`, waits for the in-flight ones
-(up to the grace period, then aborts the rest) and returns; the caller then stops uvicorn.
+readiness false, answers new API calls (and uploads still in progress) with 503 `draining`,
+waits for the in-flight ones up to the grace period, then aborts the rest, which are told so
+(`ShutdownError`: a 503, or an error event after `finish_reason: "abort"` on a stream); a
+second signal (`hurry`) ends the wait at once the same way. If the engine thread dies, or the
+model fails to load, `on_fatal` makes the process exit non-zero so that it is restarted.
 
 Invariants: every error body has OpenAI's `{"error": {"message", "type", "param", "code"}}`
-shape; in-flight counting wraps the whole ASGI call, so a streamed response counts until its
-last byte is sent.
+shape and is rendered with non-ASCII escaped, so no client input can make rendering fail; the
+request gate (gate.py) counts a request in flight from its complete body to its last byte.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,24 +33,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine_config import EngineConfig
-from .async_engine import AsyncEngine
+from ..serve_flags import flag_default
+from .async_engine import AsyncEngine, ShutdownError
+from .gate import RequestGate, error_bytes
+from .logprobs import LogprobFormatter
 from .metrics import EngineMetrics
+from .prompts import PromptEncoder
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, param_from_loc
 from .serving import Serving
 
 logger = logging.getLogger(__name__)
+
+_ABORT_WAIT_S = 5.0  # after aborting, how long the drain waits for the aborted requests to be answered
 
 
 @dataclass(slots=True)
 class ServerConfig:
     engine: EngineConfig
     model_name: str
-    max_queue_len: int = 1024  # engine requests waiting (not yet running) before new ones get 429
-    retry_after_s: int = 1  # the Retry-After header sent with 429
-    drain_timeout_s: float = 30.0  # grace period for in-flight requests after SIGTERM
+    # Defaults are the serve-flag table's (one source for the CLI, the operator and this class).
+    max_queue_len: int = flag_default("max-queue-len")  # engine requests waiting before new ones get 429
+    retry_after_s: int = flag_default("retry-after")  # the Retry-After header sent with 429
+    drain_timeout_s: float = flag_default("drain-timeout")  # grace period for in-flight requests after SIGTERM
+    max_body_bytes: int = flag_default("max-body-bytes")  # larger request bodies get 413
+    body_read_timeout_s: float = flag_default("body-read-timeout")  # a client pausing mid-body gets 408
 
 
 @dataclass(slots=True)
@@ -58,9 +69,27 @@ class ServerState:
     metrics: EngineMetrics | None = None
     load_error: BaseException | None = None
     is_draining: bool = False
-    num_inflight: int = 0
+    num_inflight: int = 0  # API requests with a complete body, until their last byte is sent
+    num_receiving: int = 0  # API requests whose body is still arriving (they never hold a drain)
     started: float = field(default_factory=time.time)
     on_fatal: Callable[[], None] | None = None  # asks the server process to exit (set by the CLI)
+    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
+    hurry: asyncio.Event = field(default_factory=asyncio.Event)  # a second signal: abort now
+
+    @property
+    def engine_died(self) -> bool:
+        return self.engine is not None and self.engine.error is not None
+
+    def not_ready_reason(self) -> str | None:
+        if self.load_error is not None:
+            return "load_failed"
+        if self.is_draining:
+            return "draining"
+        if self.serving is None:
+            return "loading"
+        if self.engine is not None and not self.engine.is_alive:
+            return "engine_dead"
+        return None
 
 
 def build_app(config: ServerConfig) -> FastAPI:
@@ -72,12 +101,13 @@ def build_app(config: ServerConfig) -> FastAPI:
         threading.Thread(target=_load, args=(state, loop), name="tidepool-load", daemon=True).start()
         yield
         if state.engine is not None:
-            await asyncio.to_thread(state.engine.stop)
-            state.engine.engine.close()  # the KV connector's sockets (P/D disaggregation)
+            await asyncio.to_thread(state.engine.stop)  # the engine thread closes the engine itself
+        if state.serving is not None:
+            state.serving.encoder.close()
 
     app = FastAPI(title="Tidepool", lifespan=lifespan)
     app.state.tidepool = state
-    app.add_middleware(_InflightMiddleware, state=state)  # type: ignore[arg-type]
+    app.add_middleware(RequestGate, state=state)  # type: ignore[arg-type]
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -88,7 +118,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> Response:
-        reason = _not_ready_reason(state)
+        reason = state.not_ready_reason()
         if reason is not None:
             return JSONResponse({"ready": False, "reason": reason}, status_code=503)
         return JSONResponse({"ready": True})
@@ -110,7 +140,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             id=config.model_name,
             created=int(state.started),
             root=config.engine.model,
-            max_model_len=state.serving.max_model_len if state.serving else None,
+            max_model_len=state.engine.info.max_model_len if state.engine else None,
         )
         return ModelList(data=[card]).model_dump()
 
@@ -126,6 +156,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             "num_waiting": stats.num_waiting,
             "num_unfinished": engine.num_unfinished,
             "num_inflight_http": state.num_inflight,
+            "num_receiving_http": state.num_receiving,
         }
 
     @app.post("/v1/completions")
@@ -140,66 +171,58 @@ def build_app(config: ServerConfig) -> FastAPI:
 
 
 async def drain(app: FastAPI) -> None:
-    """Readiness false, new API calls 503, wait for in-flight ones (abort after the grace period)."""
+    """Readiness false, new API calls 503, wait for in-flight ones (abort after the grace period or on `hurry`)."""
     state: ServerState = app.state.tidepool
     state.is_draining = True
+    state.drain_started.set()
     timeout = state.config.drain_timeout_s
     logger.info("draining: %d in-flight request(s), grace period %.0f s", state.num_inflight, timeout)
     deadline = time.monotonic() + timeout
-    while state.num_inflight > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    while state.num_inflight > 0 and time.monotonic() < deadline and not state.hurry.is_set():
+        with suppress(TimeoutError):
+            await asyncio.wait_for(state.hurry.wait(), 0.05)
     if state.num_inflight > 0 and state.engine is not None:
-        logger.warning("grace period over: aborting %d in-flight request(s)", state.num_inflight)
-        state.engine.abort_all()
-        abort_deadline = time.monotonic() + 5.0
+        if state.hurry.is_set():
+            error = ShutdownError("the server is shutting down now (a second shutdown signal); the request was "
+                                  "aborted: retry it", "shutdown")  # fmt: skip
+        else:
+            error = ShutdownError(f"the server is shutting down and its grace period ({timeout:g} s) ended before "
+                                  "this request finished; it was aborted: retry it", "drain_timeout")  # fmt: skip
+        logger.warning("aborting %d in-flight request(s): %s", state.num_inflight, error.code)
+        state.engine.abort_all(error)
+        abort_deadline = time.monotonic() + _ABORT_WAIT_S
         while state.num_inflight > 0 and time.monotonic() < abort_deadline:
             await asyncio.sleep(0.05)
     logger.info("drained")
 
 
 def _load(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
-    """Load the model off the event loop, then hand the engine to the loop thread."""
+    """Load the model off the event loop, build what the server needs from it, then hand over to the loop."""
     try:
         from ..llm_engine import LLMEngine
 
         engine = LLMEngine(state.config.engine)
+        config = state.config
+        async_engine = AsyncEngine(engine, None, config.max_queue_len, config.retry_after_s)
+        info = async_engine.info
+        async_engine.metrics = EngineMetrics(config.model_name, info.max_model_len, info.max_num_batched_tokens,
+                                             info.cache_config)  # fmt: skip
+        encoder = PromptEncoder(info.tokenizer, info.max_model_len)
+        serving = Serving(async_engine, config.model_name, encoder, LogprobFormatter(info.tokenizer))
     except BaseException as err:
         logger.exception("failed to load the model")
         state.load_error = err
         if state.on_fatal is not None:
             loop.call_soon_threadsafe(state.on_fatal)
         return
-    loop.call_soon_threadsafe(_engine_ready, state, engine, loop)
+    loop.call_soon_threadsafe(_engine_ready, state, async_engine, serving, loop)
 
 
-def _engine_ready(state: ServerState, engine: Any, loop: asyncio.AbstractEventLoop) -> None:
-    config = state.config
-    rc = engine.resolved
-    cache_config = {
-        "block_size": str(config.engine.block_size),
-        "num_gpu_blocks": str(engine.num_kv_blocks),
-        "enable_prefix_caching": str(config.engine.enable_prefix_caching),
-        "gpu_memory_utilization": str(config.engine.gpu_memory_utilization),
-        "cache_dtype": "auto",
-        "device": str(rc.device),
-    }
-    state.metrics = EngineMetrics(config.model_name, engine.max_model_len, rc.max_num_batched_tokens, cache_config)
-    state.engine = AsyncEngine(engine, state.metrics, config.max_queue_len, config.retry_after_s)
-    state.serving = Serving(state.engine, config.model_name, engine.tokenizer, engine.max_model_len)
-    state.engine.start(loop)
-    logger.info("ready: serving %s as %r", config.engine.model, config.model_name)
-
-
-def _not_ready_reason(state: ServerState) -> str | None:
-    if state.load_error is not None:
-        return "load_failed"
-    if state.is_draining:
-        return "draining"
-    if state.serving is None:
-        return "loading"
-    if state.engine is not None and not state.engine.is_alive:
-        return "engine_dead"
-    return None
+def _engine_ready(state: ServerState, engine: AsyncEngine, serving: Serving, loop: asyncio.AbstractEventLoop) -> None:
+    state.engine, state.metrics, state.serving = engine, engine.metrics, serving
+    engine.on_dead = state.on_fatal
+    engine.start(loop)
+    logger.info("ready: serving %s as %r", state.config.engine.model, state.config.model_name)
 
 
 def _require_engine(state: ServerState) -> AsyncEngine:
@@ -214,67 +237,48 @@ def _require_serving(state: ServerState) -> Serving:
     return state.serving
 
 
-class _InflightMiddleware:
-    """Counts API calls until their last byte is sent; answers 503 while loading or draining."""
-
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] != "POST":
-            await self.app(scope, receive, send)
-            return
-        reason = _not_ready_reason(self.state)
-        if reason is not None:
-            err = APIError(
-                f"the server is not accepting requests ({reason})",
-                status_code=503,
-                type="service_unavailable",
-                code=reason,
-            )
-            await _send_json(send, err.status_code, err.body())
-            return
-        self.state.num_inflight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.state.num_inflight -= 1
-
-
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    payload = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+def error_response(err: APIError) -> Response:
+    return Response(error_bytes(err.body()), status_code=err.status_code, headers=err.headers,
+                    media_type="application/json")  # fmt: skip
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status_code, headers=err.headers)
+    async def api_error(_: Request, err: APIError) -> Response:
+        return error_response(err)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def validation_error(_: Request, err: RequestValidationError) -> Response:
         errors = err.errors()
-        first = errors[0] if errors else {}
+        # A union reports a type mismatch for every member it was not; the other errors say more.
+        first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0] if errors else {})
         param = param_from_loc(tuple(first.get("loc", ())))
         if first.get("type") == "json_invalid":
             message, param = f"the request body is not valid JSON: {first.get('msg', '')}", None
+        elif first.get("type") == "invalid_unicode":
+            message, param = str(first.get("msg")), str(first.get("ctx", {}).get("param"))
         else:
             message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
             if "input" in first and param is not None:
-                message += f" (got {json.dumps(first['input'], default=str)[:200]})"
-        return JSONResponse(APIError(message, param=param).body(), status_code=400)
+                message += f" (got {_shown(first['input'])})"
+        return error_response(APIError(message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def http_error(_: Request, err: StarletteHTTPException) -> Response:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        body = APIError(str(err.detail), status_code=err.status_code, type=kind).body()
-        return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+        error = APIError(str(err.detail), status_code=err.status_code, type=kind, headers=getattr(err, "headers", None))
+        return error_response(error)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+    async def internal_error(_: Request, err: Exception) -> Response:
         logger.exception("unhandled error")
-        body = APIError(f"internal error: {err!r}", status_code=500, type="internal_error").body()
-        return JSONResponse(body, status_code=500)
+        return error_response(APIError(f"internal error: {err!r}", status_code=500, type="internal_error"))
+
+
+def _shown(value: Any) -> str:
+    """A short rendering of an offending input value for an error message."""
+    try:
+        text = json.dumps(value, default=str)
+    except ValueError:  # NaN/infinity are not JSON
+        text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."

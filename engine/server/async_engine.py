@@ -7,13 +7,21 @@ per-HTTP-request asyncio queues (`RequestStream`). Nothing here blocks the event
 
 Invariants:
 - Only the engine thread touches the `LLMEngine` (it is not thread-safe); only the event-loop
-  thread touches the stream table.
+  thread touches the stream table. The HTTP side reads the engine's facts from `info`, a frozen
+  `EngineInfo` built before the thread starts.
 - Commands are applied in the order they were submitted, so an abort never overtakes the add
   it cancels.
 - Admission is bounded: requests queued (submitted but not yet handed to the engine, plus the
   engine's waiting queue) never exceed `max_queue_len`; over the bound `add` raises
   `QueueFullError` before anything is queued. The count errs high, never low.
-- On `stop()` every unfinished request is aborted, so the KV block pool ends fully free.
+- One request cannot end the engine: a request the engine refuses fails alone
+  (`RequestRejectedError`), and per-request failures inside a step come back as that request's
+  error output. Anything else that escapes the engine is fatal: every stream gets
+  `EngineDeadError`, `on_dead` is called (the server then exits non-zero) and liveness turns false.
+- `abort_all(error)` (shutdown) aborts every engine request and makes every later `add` and
+  every `guard`ed wait raise that error, so no request outlives a shutdown unanswered.
+- On `stop()` every unfinished request is aborted, so the KV block pool ends fully free, and
+  the engine's background resources are closed on its own thread.
 """
 
 from __future__ import annotations
@@ -22,19 +30,22 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..kv_transfer import KVPayload, ProducerParams
 from ..llm_engine import LLMEngine
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import EngineStats
+from .engine_info import EngineInfo
 from .metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long the idle engine thread sleeps on its inbox before re-checking for stop
+T = TypeVar("T")
 
 
 class QueueFullError(Exception):
@@ -48,7 +59,19 @@ class QueueFullError(Exception):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the process should be restarted (liveness turns false)."""
+    """The engine thread failed; the process exits so that it is restarted."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused a request that passed the server's checks (a race or a gap in them): a 400."""
+
+
+class ShutdownError(RuntimeError):
+    """The server is shutting down and ended this request; `code` says why ("shutdown", "drain_timeout")."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -67,6 +90,7 @@ class RequestStream:
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.unfinished_ids = set(request_ids)
+        self.shutdown_error: ShutdownError | None = None  # set when a shutdown aborted these requests
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
     @property
@@ -95,12 +119,15 @@ class AsyncEngine:
         max_queue_len: int = 1024,
         retry_after_s: int = 1,
     ) -> None:
-        self.engine = engine
+        self._engine = engine  # the engine thread's; the HTTP side uses `info`
+        self.info = EngineInfo.from_engine(engine)
         self.metrics = metrics
         self.max_queue_len = max_queue_len
         self.retry_after_s = retry_after_s
         self.stats: EngineStats = engine.get_stats()  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
+        self.shutdown_error: ShutdownError | None = None
+        self.on_dead: Callable[[], None] | None = None  # called on the event loop once the engine thread died
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._num_pending = 0  # submitted, not yet counted in `stats.num_waiting`
@@ -108,6 +135,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._shutdown = asyncio.Event()
 
     # ---- event-loop side ------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -130,6 +158,8 @@ class AsyncEngine:
         return len(self._streams)
 
     def add(self, children: list[Child], arrival_time: float) -> RequestStream:
+        if self.shutdown_error is not None:
+            raise self.shutdown_error
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         with self._lock:
@@ -147,11 +177,30 @@ class AsyncEngine:
         if request_ids:
             self._inbox.put(("abort", list(request_ids)))
 
-    def abort_all(self) -> None:
+    def abort_all(self, error: ShutdownError) -> None:
+        """Shutdown: abort every engine request, telling its stream why, and refuse and interrupt the rest."""
+        self.shutdown_error = error
+        self._shutdown.set()
+        for stream in set(self._streams.values()):
+            stream.shutdown_error = error
         self._inbox.put(("abort", list(self._streams)))
 
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        """Await `awaitable` unless a shutdown comes first; then it is cancelled and the ShutdownError raised."""
+        task = asyncio.ensure_future(awaitable)
+        if self.shutdown_error is None:
+            stopper = asyncio.ensure_future(self._shutdown.wait())
+            try:
+                await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopper.cancel()
+        if not task.done():
+            task.cancel()
+            raise self.shutdown_error or ShutdownError("the server is shutting down", "shutdown")
+        return task.result()
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left, stop the thread and log the block pool's final state."""
+        """Abort whatever is left, stop the thread (which closes the engine) and log the block pool's state."""
         if self._thread is None:
             return
         self._inbox.put(("stop",))
@@ -170,18 +219,25 @@ class AsyncEngine:
         for stream in set(self._streams.values()):
             stream.put(error)
         self._streams.clear()
+        if self.on_dead is not None:
+            self.on_dead()
 
     # ---- engine-thread side ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._loop_forever()
-        except BaseException as err:  # the engine is in an unknown state: fail loudly, liveness goes false
-            logger.exception("engine thread failed")
+        except BaseException as err:  # the engine is in an unknown state: fail loudly, the process exits
+            logger.exception("engine thread failed; the server exits so that it is restarted")
             self.error = err
             self._post(None, EngineDeadError(f"engine failed: {err!r}"))
+        finally:
+            try:
+                self._engine.close()  # the KV connector's sockets (P/D), parallel workers
+            except Exception:
+                logger.exception("closing the engine failed")
 
     def _loop_forever(self) -> None:
-        engine = self.engine
+        engine = self._engine
         while True:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             results: list[tuple[str, RequestOutput | BaseException]] = []
@@ -189,7 +245,7 @@ class AsyncEngine:
             num_added = 0
             for command in commands:
                 if command[0] == "stop":
-                    self._shutdown()
+                    self._shutdown_engine()
                     return
                 if command[0] == "add":
                     num_added += len(command[1])
@@ -225,15 +281,17 @@ class AsyncEngine:
         added: list[str] = []
         for child in children:
             try:
-                self.engine.add_request(
+                self._engine.add_request(
                     child.request_id, child.prompt_token_ids, child.params, arrival_time, kv_transfer=child.kv_transfer
                 )
                 added.append(child.request_id)
                 self._live.add(child.request_id)
-            except ValueError as err:  # the server validates first, so this is a race or a bug: fail the whole request
-                outputs.extend(self.engine.abort_request(added))
+            except Exception as err:  # the server checks first, so this is a race or a gap: fail this request only
+                logger.warning("the engine refused request %s: %r", child.request_id, err)
+                outputs.extend(self._engine.abort_request(added))
                 self._live.difference_update(added)
-                results.extend((c.request_id, err) for c in children)
+                error = RequestRejectedError(str(err)) if isinstance(err, ValueError) else err
+                results.extend((c.request_id, error) for c in children)
                 return
 
     def _take_commands(self, block: bool) -> list[tuple]:
@@ -249,8 +307,8 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _shutdown(self) -> None:
-        engine = self.engine
+    def _shutdown_engine(self) -> None:
+        engine = self._engine
         outputs = engine.abort_request(list(self._live))
         self._live.clear()
         if self.metrics is not None:

@@ -2,8 +2,11 @@
 
 Engine flags mirror `LLM(...)` / `EngineConfig` (vLLM's spelling: `--max-model-len`,
 `--no-enable-prefix-caching`, …). The first SIGTERM or SIGINT drains (readiness false, new
-API calls 503, in-flight requests finish within `--drain-timeout`) and then stops uvicorn;
-the process exits 0. A second signal stops at once. A model that fails to load exits 1.
+API calls 503, in-flight requests finish within `--drain-timeout`, the rest are aborted and
+told so) and then stops uvicorn; the process exits 0. A second signal aborts what is still in
+flight at once, each request still answered (a 503, or an error event and `[DONE]` on a
+stream), and exits 0. A model that fails to load, an engine thread that dies, or a port that
+cannot be bound (one line on stderr) exit 1.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -43,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value < 0:
             print(f"tidepool serve: error: --{name} must be >= 0", file=sys.stderr)
             return 2
+    for name, value in (("max-body-bytes", args.max_body_bytes), ("body-read-timeout", args.body_read_timeout)):
+        if not value > 0:
+            print(f"tidepool serve: error: --{name} must be > 0", file=sys.stderr)
+            return 2
     try:
         config = _server_config(args)
         if args.node_rank != 0:  # a worker-only node: no HTTP, no scheduler; exits when the group shuts down
@@ -72,6 +80,8 @@ def _server_config(args: argparse.Namespace) -> Any:
         max_queue_len=args.max_queue_len,
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
+        max_body_bytes=args.max_body_bytes,
+        body_read_timeout_s=args.body_read_timeout,
     )
 
 
@@ -101,21 +111,34 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
 
     from .app import build_app, drain
 
+    try:
+        sock = _bind(host, port)  # before anything starts: a busy port is one clear line, not a crash
+    except OSError as err:
+        print(f"tidepool serve: error: cannot listen on {host}:{port}: {err.strerror or err}", file=sys.stderr)
+        return 1
     app = build_app(config)
+    state = app.state.tidepool
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn, except that the first SIGTERM/SIGINT drains before stopping (and is not re-raised)."""
+        """uvicorn, except that SIGTERM/SIGINT drain before stopping and are not re-raised at exit.
+
+        The first signal starts the drain; a second one makes it abort what is left at once (every
+        request still gets its answer); one after the drain has finished stops uvicorn at once.
+        """
 
         drain_task: asyncio.Task[None] | None = None
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if self.drain_task is not None or self.should_exit:
-                super().handle_exit(sig, frame)  # a second signal: stop now
-                return
+            # Signal handlers run between bytecodes of the loop's thread: hand the work to the loop.
             loop = asyncio.get_running_loop()
-            logger.info("signal %d: draining before exit", sig)
-            # Signal handlers run between bytecodes; schedule the drain through the loop, thread-safe.
-            loop.call_soon_threadsafe(self._start_drain, loop)
+            if self.drain_task is None and not self.should_exit:
+                logger.info("signal %d: draining before exit", sig)
+                loop.call_soon_threadsafe(self._start_drain, loop)
+            elif not self.should_exit:
+                logger.warning("signal %d again: aborting the requests still in flight", sig)
+                loop.call_soon_threadsafe(state.hurry.set)
+            else:
+                self.force_exit = True
 
         def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
             self.drain_task = loop.create_task(self._drain())
@@ -138,11 +161,25 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
     def on_fatal() -> None:
         server.should_exit = True
 
-    app.state.tidepool.on_fatal = on_fatal
-    server.run()
-    if app.state.tidepool.load_error is not None:
+    state.on_fatal = on_fatal
+    server.run(sockets=[sock])
+    if state.load_error is not None or state.engine_died:
         return 1
     return 0 if server.started else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, set up as uvicorn sets up its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 if __name__ == "__main__":

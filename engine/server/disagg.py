@@ -10,7 +10,9 @@ The router (tidepool.engine.router) drives the hand-off; an engine started with
   thread) for the transfer, checks it was prefilled for this very prompt, then generates from the
   first token on; the response is an ordinary completion, streamed or not. No transfer within
   the timeout answers 504.
-Every check happens before anything is queued, so a refused request costs no KV blocks.
+Every check happens before anything is queued, so a refused request costs no KV blocks. The
+engine is reached only through its read-only `EngineInfo` (its role and the KV connector's
+event-loop entry points), never from the HTTP thread directly.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..kv_transfer import KVTransferError, ProducerParams, parse_kv_transfer_params
-from ..llm_engine import LLMEngine
 from .async_engine import Child
+from .engine_info import EngineInfo
 from .protocol import APIError, SamplingRequest
 
 
-async def attach_kv_transfer(engine: LLMEngine, req: SamplingRequest, children: list[Child]) -> ProducerParams | None:
+async def attach_kv_transfer(info: EngineInfo, req: SamplingRequest, children: list[Child]) -> ProducerParams | None:
     """Validate `req.kv_transfer_params` and attach the transfer to the (single) child; returns producer params."""
     raw = req.kv_transfer_params
     if raw is None:
@@ -32,10 +34,9 @@ async def attach_kv_transfer(engine: LLMEngine, req: SamplingRequest, children: 
         params = parse_kv_transfer_params(raw)
     except ValueError as err:
         raise APIError(str(err), param="kv_transfer_params") from err
-    connector = engine.kv_connector
-    role = engine.config.kv_role
+    role = info.kv_role
     wanted = "prefill" if isinstance(params, ProducerParams) else "decode"
-    if connector is None or role != wanted:
+    if role != wanted:
         raise APIError(
             f"kv_transfer_params role {raw.get('role')!r} needs an engine started with --role {wanted}; "
             f"this one runs --role {role}",
@@ -53,9 +54,10 @@ async def attach_kv_transfer(engine: LLMEngine, req: SamplingRequest, children: 
             raise APIError("a prefill (producer) request must set max_tokens=1", param="max_tokens")
         child.kv_transfer = params
         return params
-    assert connector.receiver is not None  # role 'decode' always has one
+    if info.kv_receive is None:
+        raise APIError("this engine cannot receive KV", status_code=500, type="internal_error")
     try:
-        payload = await connector.receiver.take_async(params.transfer_id, connector.timeout_s)
+        payload = await info.kv_receive(params.transfer_id, info.kv_transfer_timeout_s)
     except KVTransferError as err:
         raise APIError(str(err), status_code=504, type="kv_transfer_error", code="kv_transfer_timeout") from err
     if payload.prompt_token_ids != child.prompt_token_ids:
@@ -68,13 +70,12 @@ async def attach_kv_transfer(engine: LLMEngine, req: SamplingRequest, children: 
     return None
 
 
-async def wait_sent(engine: LLMEngine, params: ProducerParams) -> dict[str, Any]:
+async def wait_sent(info: EngineInfo, params: ProducerParams) -> dict[str, Any]:
     """Await the decode engine's acknowledgement; the `kv_transfer_params` echoed in the response."""
-    sender = engine.kv_connector.sender if engine.kv_connector else None
-    if sender is None:
+    if info.kv_wait_sent is None:
         raise APIError("this engine cannot send KV", status_code=500, type="internal_error")
     try:
-        await sender.wait_sent_async(params.transfer_id)
+        await info.kv_wait_sent(params.transfer_id)
     except KVTransferError as err:
         raise APIError(str(err), status_code=502, type="kv_transfer_error", code="kv_transfer_failed") from err
     return {"role": "producer", "transfer_id": params.transfer_id, "decode_kv_addr": params.decode_kv_addr,

@@ -9,8 +9,9 @@ Invariants:
 - Only the engine thread calls `record_step`/`record_outputs`; prometheus-client's metric
   objects are thread-safe, so the HTTP thread may render `/metrics` at any time.
 - Every token is counted once: each request's last seen token count is remembered until the
-  request finishes, so prompt tokens and TTFT are recorded at its first token, ITL for each
-  later one, and the per-request histograms once at the end.
+  request finishes, so prompt tokens and TTFT are recorded at its first token, ITL (also under
+  vLLM's older name, time per output token) for each later one, and the per-request histograms
+  once at the end.
 - Cumulative engine counters (preemptions, prefix-cache queries/hits) are exported as deltas
   of successive snapshots, so the exported counters equal the engine's.
 """
@@ -170,6 +171,9 @@ class EngineMetrics:
         self._itl = histogram(
             names.INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
+        self._tpot = histogram(
+            names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Histogram of time per output token in seconds.", ITL_BUCKETS
+        )
         self._e2e = histogram(
             names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
         )
@@ -216,6 +220,7 @@ class EngineMetrics:
             "_spec_accepted",
             "_ttft",
             "_itl",
+            "_tpot",
             "_e2e",
             "_queue",
             "_prefill",
@@ -279,7 +284,9 @@ class EngineMetrics:
                     if m.first_token_time is not None:
                         self._ttft.observe(m.first_token_time - m.arrival_time)
                 elif seen.last_token_time is not None and m.last_token_time is not None:
-                    self._itl.observe(m.last_token_time - seen.last_token_time)
+                    interval = m.last_token_time - seen.last_token_time
+                    self._itl.observe(interval)
+                    self._tpot.observe(interval)
                 seen = _Seen(m.num_generation_tokens, m.last_token_time)
                 self._seen[output.request_id] = seen
             if output.finished:

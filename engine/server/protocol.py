@@ -5,16 +5,33 @@ bool), ranges follow OpenAI's documentation (vLLM's extensions where OpenAI has 
 every rejection names the offending parameter in `error.param`. Unknown fields are ignored,
 as vLLM does, so clients that send extra fields keep working.
 
-Invariants: a request model that exists has in-range values; cross-field checks (e.g.
-`top_logprobs` needs `logprobs`) and checks against the model (context length) are made by
-`serving.py`, which raises `APIError` with the parameter's name.
+Invariants: a request model that exists has in-range values, every number finite (no NaN
+or infinity, which Python's JSON parser lets through) and bounded by what the engine takes
+(`sampling_params`' documented limits: int64 seeds, int32 counts), and every string proper
+Unicode (an unpaired UTF-16 surrogate anywhere is a 400 naming where it is). Cross-field checks
+(e.g. `top_logprobs` needs `logprobs`) and checks against the model (context length, token ids
+in the vocabulary) are made by `serving.py`, which raises `APIError` with the parameter's name.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from itertools import chain
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    SerializerFunctionWrapHandler,
+    Tag,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -88,11 +105,90 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
     return param or None
 
 
+_SCALARS = frozenset({int, float, bool, type(None)})
+_WALKED = (str, list, tuple, dict, BaseModel)  # what can hold a string
+
+
+def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
+    """(where, index) of the first string in `value` holding an unpaired UTF-16 surrogate, else None.
+
+    Python's JSON parser turns a lone `\\ud800` escape into such a string; it cannot be encoded as
+    UTF-8, so the tokenizer (and any response echoing it) would fail on it. Linear in the input,
+    with the per-item work in C where it can be: a 5M-token-id prompt is scanned in a fraction of a second.
+    """
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return path or "body", err.start
+        return None
+    if isinstance(value, BaseModel):
+        items: Any = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        types = set(map(type, value))
+        if types <= _SCALARS:  # numbers only (token ids): nothing to look at
+            return None
+        if types == {list} and set(map(type, chain.from_iterable(value))) <= _SCALARS:  # lists of token ids
+            return None
+        if types == {str} and find_unpaired_surrogate("".join(value)) is None:  # many strings checked at once
+            return None
+        items = ((i, item) for i, item in enumerate(value) if isinstance(item, _WALKED))
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, int):
+            where = f"{path}[{key}]"
+        else:
+            found = find_unpaired_surrogate(key, path)  # a dict key names no parameter of its own
+            if found is not None:
+                return found
+            shown = key if len(key) <= 40 else key[:40] + "..."  # a huge key must not make a huge message
+            where = f"{path}.{shown}" if path else shown
+        found = find_unpaired_surrogate(item, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _prompt_kind(value: Any) -> str:
+    """Which form of `prompt` a value is, from its first item: one union member is validated, not four
+    (a union would report an error per item of each member it is not: millions for a long id list)."""
+    if isinstance(value, list) and value:
+        first = value[0]
+        return "str-list" if isinstance(first, str) else "id-lists" if isinstance(first, list) else "id-list"
+    return "id-list" if isinstance(value, list) else "str"
+
+
+def _id_list(value: Any) -> list[int]:
+    # Only the shape here: serving.py checks every id (an int in the vocabulary) after the length check,
+    # so a huge id list costs no per-item work before it is refused.
+    if type(value) is not list:
+        raise PydanticCustomError("token_ids", "a token-id prompt must be a list of integers")
+    return value
+
+
+def _id_lists(value: Any) -> list[list[int]]:
+    if type(value) is not list or not all(type(item) is list for item in value):
+        raise PydanticCustomError("token_ids", "a batch of token-id prompts must be a list of lists of integers")
+    return value
+
+
 # ---- requests ---------------------------------------------------------------------------------
+
+MAX_STOP_STRINGS = 64  # stop strings are matched on the engine thread after every token: bounded work
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -100,37 +196,69 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's extension; accepted, usage comes in the last chunk only
 
 
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model, as vLLM allows
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0, le=2)  # below sampling_params.GREEDY_TEMPERATURE: greedy
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 disables
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # vLLM: -1 or 0 disables
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # the n completions use seed, seed+1, ... (wrapped)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = Field(None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    # OpenAI: token id (as a string) -> bias in [-100, 100]; ids are checked against the vocabulary by serving.py.
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[Count], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N"
+    response_format: ResponseFormat | None = None  # only {"type": "text"} until guided decoding exists
     user: str | None = None
     # P/D disaggregation hand-off set by Tidepool's router (see engine/server/disagg.py); clients leave it out.
     kv_transfer_params: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _proper_unicode(self) -> SamplingRequest:
+        found = find_unpaired_surrogate(self)
+        if found is not None:
+            where, index = found
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{param}: the string holds an unpaired UTF-16 surrogate at index {index}; send valid Unicode",
+                {"param": where, "index": index},
+            )
+        return self
+
+
+# Tags are not identifiers, so `param_from_loc` leaves them out of the parameter it names.
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[str], Tag("str-list")]
+    | Annotated[list[int], PlainValidator(_id_list), Tag("id-list")]
+    | Annotated[list[list[int]], PlainValidator(_id_lists), Tag("id-lists")],
+    Discriminator(_prompt_kind),
+]
+
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None  # refused when set: no fill-in-the-middle yet
 
 
 class TextPart(_Strict):
@@ -146,11 +274,16 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM's extension
+    # Tool calling is refused with a 400 until it is supported (serving.py), never silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
 
 
 # ---- responses --------------------------------------------------------------------------------

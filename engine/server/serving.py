@@ -2,13 +2,17 @@
 
 Role: turn a parsed request into engine requests (one per prompt and per `n`; seeded ones
 get seed, seed+1, … like `LLM.generate`), then the engine's outputs into OpenAI responses or
-SSE chunks ending with `data: [DONE]`.
+SSE chunks ending with `data: [DONE]`. Tokenization runs in the prompt encoder's threads.
 
 Invariants:
-- Every check that can fail happens before anything is queued, and raises `APIError` naming
-  the parameter; the engine never sees an invalid request.
+- Every check that can fail happens before anything is queued (checks.py and the engine's
+  read-only `EngineInfo`), and raises `APIError` naming the parameter.
 - A request that ends early (client disconnect, cancellation, error) aborts its unfinished
   engine requests in a `finally`, so their KV blocks are freed.
+- A request that ends badly says so. JSON: the engine failed on it -> 500; a shutdown aborted it
+  -> 503 (retry elsewhere). Streams (headers already sent): the last chunk carries
+  `finish_reason: "abort"` where the engine ended it, then an OpenAI-shaped error event, then
+  `data: [DONE]`. Never a silent 200.
 - Streamed text is the engine's stream-safe text (held back while a stop string could still
   cut it), so the concatenated deltas equal the non-streamed text.
 """
@@ -17,23 +21,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
-from ..tokenizer import Tokenizer
-from .async_engine import AsyncEngine, Child, EngineDeadError, QueueFullError, RequestStream
+from ..request import check_prompt_token_ids
+from .async_engine import (
+    AsyncEngine,
+    Child,
+    EngineDeadError,
+    QueueFullError,
+    RequestRejectedError,
+    RequestStream,
+    ShutdownError,
+)
+from .checks import check_chat, check_common, check_completion, check_fan_out, message_dict, sampling_params
 from .disagg import attach_kv_transfer, wait_sent
 from .logprobs import LogprobFormatter
+from .prompts import PromptEncoder
 from .protocol import (
     APIError,
     AssistantMessage,
@@ -51,7 +62,6 @@ from .protocol import (
 )
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
-_PARAM_IN_MESSAGE = re.compile(r"invalid sampling parameter (\w+)=")
 
 
 @dataclass(slots=True)
@@ -86,34 +96,40 @@ class _Delta:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, model_name: str, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, encoder: PromptEncoder, logprobs: LogprobFormatter
+    ) -> None:
         self.engine = engine
+        self.info = engine.info
         self.model_name = model_name
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-        self.logprobs = LogprobFormatter(tokenizer)
+        self.encoder = encoder
+        self.logprobs = logprobs
 
     # ---- completions ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self._check_common(req)
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
-        prompts, texts = self._completion_prompts(req.prompt)
-        job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", logprobs=req.logprobs)
-        producer = await attach_kv_transfer(self.engine.engine, req, job.children)
+        logit_bias = check_common(req, self.model_name, self.info.vocab_size)
+        check_completion(req)
+        return await _answering_shutdown(self._completions(req, raw, logit_bias))
+
+    async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
+        prompts, texts = await self._completion_prompts(req)
+        job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", req.logprobs, logit_bias)
+        producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
             return self._sse(self._stream_completion(job, stream, req), stream)
         if not await self._collect(job, stream, raw):
             return Response(status_code=499)  # the client is gone; nobody reads this
-        kv_params = await wait_sent(self.engine.engine, producer) if producer else None
+        kv_params = await self.engine.guard(wait_sent(self.info, producer)) if producer else None
         choices = []
         for rid, index in job.index_of.items():
             comp = job.finals[rid].outputs[0]
-            prefix = self._prompt_text(job, index // req.n) if req.echo else ""
+            prefix = await self._prompt_text(job, index // req.n) if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
-                logprobs = self.logprobs.completion(comp, 0, len(comp.token_ids), 0, req.logprobs)
+                logprobs = self.logprobs.completion(comp, 0, len(comp.token_ids), 0, req.logprobs,
+                                                    req.return_tokens_as_token_ids,
+                                                    req.skip_special_tokens)  # fmt: skip
             choices.append(
                 CompletionChoice(index=index, text=prefix + comp.text, logprobs=logprobs,
                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
@@ -123,16 +139,22 @@ class Serving:
                                   usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(body.model_dump())
 
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> tuple[list, list]:
+    async def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
+        prompt = req.prompt
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)], [prompt]
+            prompt = [prompt]
         if not prompt:
             raise APIError("prompt must not be empty", param="prompt")
+        # The same dispatch as the schema's (protocol._prompt_kind): by the first item.
         if isinstance(prompt[0], str):
-            return [self.tokenizer.encode(p) for p in prompt], list(prompt)
-        if isinstance(prompt[0], int):
-            return [list(prompt)], [None]
-        return [list(p) for p in prompt], [None] * len(prompt)
+            check_fan_out(len(prompt), req.n, self.engine.max_queue_len)
+            texts: list[str] = prompt  # type: ignore[assignment]
+            return await self.engine.guard(self.encoder.encode(texts, "prompt")), list(texts)
+        if isinstance(prompt[0], list):
+            check_fan_out(len(prompt), req.n, self.engine.max_queue_len)
+            return [list(p) for p in prompt], [None] * len(prompt)  # type: ignore[union-attr]
+        check_fan_out(1, req.n, self.engine.max_queue_len)
+        return [list(prompt)], [None]  # type: ignore[arg-type]
 
     async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
@@ -141,7 +163,7 @@ class Serving:
 
         if req.echo:
             for index in job.index_of.values():
-                yield chunk([CompletionChoice(index=index, text=self._prompt_text(job, index // req.n))])
+                yield chunk([CompletionChoice(index=index, text=await self._prompt_text(job, index // req.n))])
         async for item in self._deltas(job, stream):
             if isinstance(item, str):
                 yield item
@@ -149,7 +171,8 @@ class Serving:
             comp, logprobs = item.completion, None
             if req.logprobs is not None:
                 logprobs = self.logprobs.completion(comp, item.token_start, item.token_stop, item.text_offset,
-                                                    req.logprobs)  # fmt: skip
+                                                    req.logprobs, req.return_tokens_as_token_ids,
+                                                    req.skip_special_tokens)  # fmt: skip
             yield chunk([CompletionChoice(index=item.index, text=item.text, logprobs=logprobs,
                                           finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -158,32 +181,34 @@ class Serving:
 
     # ---- chat -----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_common(req)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if not self.tokenizer.has_chat_template:
+        logit_bias = check_common(req, self.model_name, self.info.vocab_size)
+        check_chat(req)
+        if not self.info.tokenizer.has_chat_template:
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
-        messages = [_message_dict(m) for m in req.messages]
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-        except Exception as err:  # templates raise their own errors (e.g. roles must alternate)
-            raise APIError(f"the chat template rejected the messages: {err}", param="messages") from err
+        check_fan_out(1, req.n, self.engine.max_queue_len)
+        return await _answering_shutdown(self._chat(req, raw, logit_bias))
+
+    async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
+        messages = [message_dict(m) for m in req.messages]
+        text = await self.engine.guard(self.encoder.render_chat(messages, req.add_generation_prompt))
         # The template already carries any BOS token, so encode without adding special tokens again.
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens=False))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job("chatcmpl", [prompt], [text], req, max_tokens, "messages", logprobs=num_top)
-        producer = await attach_kv_transfer(self.engine.engine, req, job.children)
+        job = self._job("chatcmpl", [prompt], [text], req, max_tokens, "messages", num_top, logit_bias)
+        producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
             return self._sse(self._stream_chat(job, stream, req, num_top), stream)
         if not await self._collect(job, stream, raw):
             return Response(status_code=499)
-        kv_params = await wait_sent(self.engine.engine, producer) if producer else None
+        kv_params = await self.engine.guard(wait_sent(self.info, producer)) if producer else None
         choices = []
         for rid, index in job.index_of.items():
             comp = job.finals[rid].outputs[0]
-            logprobs = self.logprobs.chat(comp, 0, len(comp.token_ids), num_top) if num_top is not None else None
+            logprobs = None
+            if num_top is not None:
+                logprobs = self.logprobs.chat(comp, 0, len(comp.token_ids), num_top, req.return_tokens_as_token_ids)
             choices.append(
                 ChatChoice(index=index, message=AssistantMessage(content=comp.text), logprobs=logprobs,
                            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
@@ -208,7 +233,8 @@ class Serving:
                 continue
             comp, logprobs = item.completion, None
             if num_top is not None:
-                logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top)
+                logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top,
+                                              req.return_tokens_as_token_ids)  # fmt: skip
             yield chunk([ChatChunkChoice(index=item.index, delta=DeltaMessage(content=item.text), logprobs=logprobs,
                                          finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -217,7 +243,7 @@ class Serving:
 
     # ---- shared ---------------------------------------------------------------------------------
     async def _deltas(self, job: _Job, stream: RequestStream) -> AsyncIterator[_Delta | str]:
-        """Each choice's new text as it becomes safe to send; an SSE error event (a str) if the engine dies."""
+        """Each choice's new text as it becomes safe to send; after a failure one SSE error event (a str), then stop."""
         sent_chars = dict.fromkeys(job.index_of, 0)
         sent_tokens = dict.fromkeys(job.index_of, 0)
         try:
@@ -230,18 +256,14 @@ class Serving:
                 yield _Delta(job.index_of[rid], comp, comp.text[sent_chars[rid] :], sent_chars[rid], sent_tokens[rid],
                              len(comp.token_ids))  # fmt: skip
                 sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
-        except EngineDeadError as err:
-            body = {"error": {"message": str(err), "type": "internal_error", "param": None, "code": "engine_dead"}}
-            yield f"data: {json.dumps(body)}\n\n"
+                error = _finish_error(out, stream) if out.finished else None
+                if error is not None:
+                    yield _error_event(error)
+                    return
+        except Exception as err:  # the engine died, refused the request, or a shutdown ended it
+            yield _error_event(_engine_error(err))
         finally:
             self._abort_unfinished(stream)
-
-    def _check_common(self, req: SamplingRequest) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise APIError(f"The model `{req.model}` does not exist.", status_code=404, param="model",
-                           code="model_not_found")  # fmt: skip
-        if req.stream_options is not None and not req.stream:
-            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
 
     def _job(
         self,
@@ -252,9 +274,10 @@ class Serving:
         max_tokens: int | None,
         prompt_param: str,
         logprobs: int | None,
+        logit_bias: dict[int, float] | None,
     ) -> _Job:
         job = _Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n)
-        limit = self.max_model_len
+        limit = self.info.max_model_len
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise APIError(f"{prompt_param} is empty: give at least one token", param=prompt_param)
@@ -268,10 +291,10 @@ class Serving:
                     code="context_length_exceeded",
                 )
             try:
-                self.engine.engine.validate_prompt(prompt)  # token ids in range; reads only immutable engine state
+                check_prompt_token_ids(prompt, self.info.vocab_size, limit)
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
-            params = _sampling_params(req, max_tokens or limit - len(prompt), logprobs)
+            params = sampling_params(req, max_tokens or limit - len(prompt), logprobs, logit_bias)
             for j in range(req.n):
                 child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
                 job.children.append(child)
@@ -288,12 +311,16 @@ class Serving:
             raise APIError(str(err), status_code=503, type="service_unavailable", code="engine_dead") from err
 
     async def _collect(self, job: _Job, stream: RequestStream, raw: Request) -> bool:
-        """Wait for every final output (into `job.finals`); False if the client went away (requests aborted)."""
+        """Wait for every final output (into `job.finals`); False if the client went away (requests aborted).
+        A request the engine failed on, or a shutdown aborted, raises the APIError to answer with."""
 
         async def consume() -> None:
             async for out in stream:
                 if out.finished:
                     job.finals[out.request_id] = out
+                    error = _finish_error(out, stream)
+                    if error is not None:
+                        raise error
 
         task = asyncio.create_task(consume())
         try:
@@ -305,8 +332,10 @@ class Serving:
                     return False
             try:
                 task.result()
-            except EngineDeadError as err:
-                raise APIError(str(err), status_code=500, type="internal_error", code="engine_dead") from err
+            except APIError:
+                raise
+            except Exception as err:
+                raise _engine_error(err) from err
             return True
         finally:
             task.cancel()
@@ -328,44 +357,44 @@ class Serving:
         if not stream.finished:
             self.engine.abort(set(stream.unfinished_ids))
 
-    def _prompt_text(self, job: _Job, prompt_index: int) -> str:
+    async def _prompt_text(self, job: _Job, prompt_index: int) -> str:
         text = job.prompt_texts[prompt_index]
-        return text if text is not None else self.tokenizer.decode(job.prompts[prompt_index])
+        return text if text is not None else await self.encoder.decode(job.prompts[prompt_index])
 
 
-def _sampling_params(req: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+async def _answering_shutdown(handler: Awaitable[Response]) -> Response:
+    """Run a request's handler; a shutdown that ends it before it streams becomes its 503."""
     try:
-        return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-        )
-    except ValueError as err:
-        match = _PARAM_IN_MESSAGE.search(str(err))
-        raise APIError(str(err), param=match.group(1) if match else "min_tokens") from err
+        return await handler
+    except ShutdownError as err:
+        raise _engine_error(err) from err
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    result: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
-    if message.name is not None:
-        result["name"] = message.name
-    return result
+def _finish_error(out: RequestOutput, stream: RequestStream) -> APIError | None:
+    """Why a finished engine request is a failure, if it is: the engine failed on it, or a shutdown aborted it."""
+    if out.error is not None:
+        return APIError(f"the engine failed on this request ({out.error}); other requests were not affected",
+                        status_code=500, type="internal_error", code="request_failed")  # fmt: skip
+    if stream.shutdown_error is not None and out.outputs and out.outputs[0].finish_reason == "abort":
+        return _engine_error(stream.shutdown_error)
+    return None
+
+
+def _engine_error(err: BaseException) -> APIError:
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, ShutdownError):
+        return APIError(str(err), status_code=503, type="service_unavailable", code=err.code)
+    if isinstance(err, EngineDeadError):
+        return APIError(str(err), status_code=500, type="internal_error", code="engine_dead")
+    if isinstance(err, RequestRejectedError):
+        return APIError(str(err), status_code=400)
+    return APIError(f"the engine failed on this request: {err!r}", status_code=500, type="internal_error",
+                    code="request_failed")  # fmt: skip
+
+
+def _error_event(error: APIError) -> str:
+    return f"data: {json.dumps(error.body())}\n\n"
 
 
 def _event(body: BaseModel) -> str:

@@ -1,8 +1,9 @@
 """Fixtures for the server tests: real `tidepool serve` processes on loopback, on the tiny test model.
 
 `serve(*flags)` starts one and stops it (SIGTERM, then a kill if it hangs) at the end of the
-session. `server` is one shared instance; tests that read its counters work with deltas,
-since other tests use it too.
+session; `serve_controlled(*flags)` starts one whose engine the test can pause or crash
+(controlled_serve.py). `server` is one shared instance; tests that read its counters work with
+deltas, since other tests use it too.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ def serve(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     started: list[Server] = []
     log_dir = tmp_path_factory.mktemp("serve-logs")
 
-    def start(*flags: str) -> Server:
-        server = start_server(tiny_model_dir, log_dir, *flags)
+    def start(*flags: str, controlled: bool = False) -> Server:
+        control_dir = tmp_path_factory.mktemp("control") if controlled else None
+        server = start_server(tiny_model_dir, log_dir, *flags, control_dir=control_dir)
         started.append(server)
         return server
 
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def serve_controlled(serve: Callable[..., Server]) -> Callable[..., Server]:
+    return lambda *flags: serve(*flags, controlled=True)
 
 
 @pytest.fixture(scope="session")

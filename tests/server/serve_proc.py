@@ -2,6 +2,8 @@
 
 `start_server` waits until `/ready` says yes; `Server` has the helpers tests share: the KV
 pool reading of `/debug/kv`, waiting for the pool to be fully free, stopping with SIGTERM.
+With `control_dir`, the server runs under `controlled_serve.py`, whose files pause or crash
+its engine (for shutdown tests that must not depend on machine speed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import httpx
 
 MODEL_NAME = "tiny"
+CONTROLLED = Path(__file__).with_name("controlled_serve.py")
 _START_TIMEOUT_S = 120.0
 
 
@@ -27,6 +30,26 @@ class Server:
     port: int
     log_path: Path
     model: str = MODEL_NAME
+    control_dir: Path | None = None
+
+    def pause(self, paused: bool = True) -> None:
+        """Stop (or resume) all engine progress; needs a server started with `control_dir`."""
+        assert self.control_dir is not None, "start the server with control_dir to pause it"
+        flag = self.control_dir / "pause"
+        if paused:
+            flag.touch()
+        else:
+            flag.unlink(missing_ok=True)
+
+    def poison_seed(self, seed: int) -> None:
+        """Make the sampler fail every request with this seed (a per-request fault); needs `control_dir`."""
+        assert self.control_dir is not None, "start the server with control_dir to poison requests"
+        (self.control_dir / "poison").write_text(str(seed))
+
+    def crash_engine(self) -> None:
+        """Make the engine's next step raise (the engine thread dies); needs `control_dir`."""
+        assert self.control_dir is not None, "start the server with control_dir to crash its engine"
+        (self.control_dir / "crash").touch()
 
     @property
     def url(self) -> str:
@@ -76,16 +99,17 @@ def _command() -> list[str]:
     return [sys.executable, "-m", "tidepool.cli"]
 
 
-def start_server(model: Path, log_dir: Path, *flags: str) -> Server:
+def start_server(model: Path, log_dir: Path, *flags: str, control_dir: Path | None = None) -> Server:
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
-    cmd = [*_command(), "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+    launcher = _command() if control_dir is None else [sys.executable, str(CONTROLLED), str(control_dir)]
+    cmd = [*launcher, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL_NAME, *flags]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # cwd outside the repository: a repo-root cwd on sys.path would let operator/ shadow the stdlib module.
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir, env=env)
-    server = Server(proc, port, log_path)
+    server = Server(proc, port, log_path, control_dir=control_dir)
     deadline = time.monotonic() + _START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

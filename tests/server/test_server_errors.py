@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any
 
 import httpx
@@ -12,6 +14,12 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 OK_CHAT: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 OK_COMPLETION: dict[str, Any] = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+
+
+def _raw(base: dict[str, Any], **fields: Any) -> bytes:
+    """A body as Python's JSON writes it: NaN/Infinity literals, lone surrogates as \\uXXXX escapes."""
+    return json.dumps({**base, **fields}).encode()
+
 
 # (name, path, body (a dict merged into a valid request, or raw bytes), status, param named in the error)
 CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
@@ -41,11 +49,76 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
     ("echo-with-logprobs", COMPLETIONS, {"echo": True, "logprobs": 1}, 400, "echo"),
     ("prompt-empty-list", COMPLETIONS, {"prompt": []}, 400, "prompt"),
     ("prompt-token-out-of-vocab", COMPLETIONS, {"prompt": [5, 999999]}, 400, "prompt"),
+    ("prompt-float-token", COMPLETIONS, {"prompt": [1.5]}, 400, "prompt"),
+    ("prompt-bool-token", COMPLETIONS, {"prompt": [True]}, 400, "prompt"),
+    ("prompt-mixed-list", COMPLETIONS, {"prompt": [5, "a"]}, 400, "prompt"),
+    ("prompt-mixed-batch", COMPLETIONS, {"prompt": [[5], 6]}, 400, "prompt"),
+    ("prompt-empty-in-batch", COMPLETIONS, {"prompt": [[5], []]}, 400, "prompt"),
+    ("prompt-token-2^70", COMPLETIONS, {"prompt": [5, 2**70]}, 400, "prompt"),
     ("context-too-long", COMPLETIONS, {"max_tokens": 5000}, 400, "prompt"),
     ("messages-missing", CHAT, {"messages": None}, 400, "messages"),
     ("messages-empty", CHAT, {"messages": []}, 400, "messages"),
     ("messages-bad-role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ("unknown-model", CHAT, {"model": "gpt-17"}, 404, "model"),
+    # Values the engine cannot take are bounded at the edge (issue #14, item 1): never a dead engine.
+    ("seed-2^64", COMPLETIONS, {"seed": 2**64}, 400, "seed"),
+    ("seed-2^64-1", COMPLETIONS, {"seed": 2**64 - 1, "n": 2}, 400, "seed"),
+    ("seed-below-int64", COMPLETIONS, {"seed": -(2**63) - 1}, 400, "seed"),
+    ("seed-2^64-chat-stream", CHAT, {"seed": 2**64, "stream": True}, 400, "seed"),
+    ("top_k-2^63", COMPLETIONS, {"top_k": 2**63}, 400, "top_k"),
+    ("max_tokens-2^70", COMPLETIONS, {"max_tokens": 2**70}, 400, "max_tokens"),
+    ("min_tokens-2^64", COMPLETIONS, {"min_tokens": 2**64}, 400, "min_tokens"),
+    ("stop_token_ids-2^64", COMPLETIONS, {"stop_token_ids": [2**64]}, 400, "stop_token_ids"),
+    ("repetition_penalty-tiny", COMPLETIONS, {"repetition_penalty": 5e-324}, 400, "repetition_penalty"),
+    ("repetition_penalty-huge", COMPLETIONS, {"repetition_penalty": 1e308}, 400, "repetition_penalty"),
+    ("temperature-nan", COMPLETIONS, _raw(OK_COMPLETION, temperature=math.nan), 400, "temperature"),
+    ("top_p-infinity", COMPLETIONS, _raw(OK_COMPLETION, top_p=math.inf), 400, "top_p"),
+    ("stop-too-many", COMPLETIONS, {"stop": ["x"] * 65}, 400, "stop"),
+    ("stop-too-long", COMPLETIONS, {"stop": "x" * 1025}, 400, "stop"),
+    # Strings must be proper Unicode (item 2): an unpaired surrogate is a 400 naming where it is.
+    ("surrogate-prompt", COMPLETIONS, _raw(OK_COMPLETION, prompt="\ud800"), 400, "prompt"),
+    ("surrogate-prompt-list", COMPLETIONS, _raw(OK_COMPLETION, prompt=["ok", "a\udc00"]), 400, "prompt[1]"),
+    ("surrogate-stream", COMPLETIONS, _raw(OK_COMPLETION, prompt="\ud800", stream=True), 400, "prompt"),
+    (
+        "surrogate-chat",
+        CHAT,
+        _raw(OK_CHAT, messages=[{"role": "user", "content": "\ud800"}]),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "surrogate-content-part",
+        CHAT,
+        _raw(OK_CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "x\udfff"}]}]),
+        400,
+        "messages[0].content[0].text",
+    ),
+    ("surrogate-stop", COMPLETIONS, _raw(OK_COMPLETION, stop=["\ud800"]), 400, "stop"),
+    (
+        "surrogate-name",
+        CHAT,
+        _raw(OK_CHAT, messages=[{"role": "user", "content": "hi", "name": "\ud83d"}]),
+        400,
+        "messages[0].name",
+    ),
+    ("surrogate-model", COMPLETIONS, _raw(OK_COMPLETION, model="\ud800"), 400, "model"),
+    (
+        "surrogate-kv-params",
+        COMPLETIONS,
+        _raw(OK_COMPLETION, kv_transfer_params={"transfer_id": "\ud800"}),
+        400,
+        "kv_transfer_params.transfer_id",
+    ),
+    # OpenAI/vLLM parameters are honoured or refused, never silently ignored (item 7).
+    ("response_format-bogus", CHAT, {"response_format": {"type": "bogus"}}, 400, "response_format.type"),
+    ("response_format-json_object", CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice", CHAT, {"tool_choice": "required"}, 400, "tool_choice"),
+    ("functions", CHAT, {"functions": [{"name": "f"}]}, 400, "functions"),
+    ("logit_bias-range", COMPLETIONS, {"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias-out-of-vocab", COMPLETIONS, {"logit_bias": {"512": 1}}, 400, "logit_bias"),
+    ("logit_bias-not-an-id", COMPLETIONS, {"logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("suffix", COMPLETIONS, {"suffix": "end"}, 400, "suffix"),
 ]
 
 
@@ -111,3 +184,34 @@ def test_serve_cli_rejects_missing_model(tmp_path: Any) -> None:
     proc = subprocess.run([*cmd, "serve", "--model", str(tmp_path / "absent")], capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)  # fmt: skip
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_health_answers_while_a_10mb_prompt_is_processed(server: Server) -> None:
+    """Issue #14 item 3: a huge prompt never stalls the event loop (before: /health blocked for 16 s)."""
+    import threading
+    import time
+
+    text = "lorem ipsum " * (10_000_000 // 12)
+    bodies = {
+        COMPLETIONS: {"model": "tiny", "prompt": text, "max_tokens": 1},
+        CHAT: {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+    }
+    results: dict[str, httpx.Response] = {}
+
+    def send() -> None:
+        for path, body in bodies.items():
+            results[path] = httpx.post(server.url + path, json=body, timeout=300)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    latencies = []
+    with httpx.Client(timeout=30) as http:
+        while sender.is_alive() or len(latencies) < 3:
+            start = time.monotonic()
+            assert http.get(server.url + "/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+    sender.join()
+    assert max(latencies) < 1.0, latencies
+    for path in bodies:
+        error = _check_shape(results[path])
+        assert results[path].status_code == 400 and error["code"] == "context_length_exceeded", error

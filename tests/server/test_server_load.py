@@ -119,6 +119,7 @@ def test_metrics_move_with_load(server: Server) -> None:
                  "request_generation_tokens"):  # fmt: skip
         assert delta(f"vllm:{hist}_count") == 1, hist
     assert delta("vllm:inter_token_latency_seconds_count") == 199
+    assert delta("vllm:time_per_output_token_seconds_count") == 199  # vLLM's older name, read by its dashboards
     assert delta("vllm:request_generation_tokens_sum") == 200
     assert delta("vllm:iteration_tokens_total_count") >= 200
     e2e = delta("vllm:e2e_request_latency_seconds_sum")

@@ -18,7 +18,12 @@ def test_module_imports_nothing() -> None:
 
 def test_names_are_vllms() -> None:
     every = (*names.GAUGES, *names.COUNTERS, *names.HISTOGRAMS)
-    assert len(set(every)) == len(every) == 19
+    assert len(set(every)) == len(every) == 20
     assert all(name.startswith("vllm:") for name in every)
     assert names.sample_total(names.PROMPT_TOKENS) == "vllm:prompt_tokens_total"
     assert names.ITERATION_TOKENS_TOTAL == "vllm:iteration_tokens_total"  # a histogram despite the suffix, as in vLLM
+
+
+def test_time_per_output_token_is_exported_beside_itl() -> None:
+    assert names.TIME_PER_OUTPUT_TOKEN_SECONDS == "vllm:time_per_output_token_seconds"
+    assert {names.TIME_PER_OUTPUT_TOKEN_SECONDS, names.INTER_TOKEN_LATENCY_SECONDS} <= set(names.HISTOGRAMS)

@@ -153,3 +153,50 @@ def test_async_client_concurrent(aclient: openai.AsyncOpenAI, server: Server) ->
     for full, streamed in asyncio.run(main()):
         assert full == streamed
     server.wait_pool_free()
+
+
+# ---- OpenAI/vLLM parity (issue #14, item 7) ---------------------------------------------------------
+def test_completion_logprobs_have_k_distinct_entries(client: openai.OpenAI, server: Server) -> None:
+    # The tiny model's byte-level vocabulary has many partial-UTF-8 tokens that all decode to U+FFFD:
+    # keyed by text they would overwrite each other; keyed collision-free there are always k entries.
+    for seed in (1, 2, 3):
+        resp = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=seed,
+                                         logprobs=5, extra_body={"ignore_eos": True})  # fmt: skip
+        lp = resp.choices[0].logprobs
+        assert lp is not None and len(lp.top_logprobs) == 40
+        assert all(len(top) == 5 for top in lp.top_logprobs), [len(top) for top in lp.top_logprobs]
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+            assert token not in top or top[token] == pytest.approx(logprob)
+    as_ids = client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    lp = as_ids.choices[0].logprobs
+    assert all(t.startswith("token_id:") for t in lp.tokens)
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+
+
+def test_chat_logprob_bytes_rebuild_the_content(client: openai.OpenAI, server: Server) -> None:
+    for seed in (1, 2, 3):
+        resp = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=40, temperature=1.0,
+                                              seed=seed, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        content = resp.choices[0].logprobs.content
+        raw = b"".join(bytes(entry.bytes) for entry in content)
+        assert raw.decode("utf-8", "replace") == resp.choices[0].message.content
+        assert all(top.bytes is not None for entry in content for top in entry.top_logprobs)
+
+
+def test_logit_bias_steers_sampling(client: openai.OpenAI, server: Server) -> None:
+    args = dict(model=server.model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    forced = client.completions.create(**args, logit_bias={"5": 100})  # token 5 is "!" in the tiny vocabulary
+    assert forced.choices[0].logprobs.tokens == ["token_id:5"] * 6
+    first = client.completions.create(**args).choices[0].logprobs.tokens[0]
+    banned = client.completions.create(**args, logit_bias={first.removeprefix("token_id:"): -100})
+    assert banned.choices[0].logprobs.tokens[0] != first  # the greedy first token is pushed out
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 5e-324, 1e-6])
+def test_tiny_temperature_is_greedy(client: openai.OpenAI, server: Server, temperature: float) -> None:
+    args = dict(model=server.model, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    assert client.completions.create(**args, temperature=temperature).choices[0].text == greedy

@@ -1,0 +1,131 @@
+"""Request checks that need more than the schema: the served model, the engine's limits, unsupported features.
+
+Role: everything `serving.py` verifies before it queues anything, each failure an `APIError`
+naming the parameter: the model name, `stream_options` without `stream`, `logit_bias` keys
+(token ids in the vocabulary), the fan-out of `n` x prompts against the queue bound, features
+that are not implemented (`response_format` other than text, tool calling, `suffix`), and the
+translation of a request into `SamplingParams` (whose own checks are the engine's limits).
+
+Invariant: an unsupported feature is refused with a 400 that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..sampling_params import SamplingParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+_PARAM_IN_MESSAGE = re.compile(r"invalid sampling parameter (\w+)=")
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict[int, float] | None:
+    """Checks shared by completions and chat; returns `logit_bias` keyed by token id."""
+    if req.model is not None and req.model != model_name:
+        raise APIError(f"The model `{_short(req.model)}` does not exist.", status_code=404, param="model",
+                       code="model_not_found")  # fmt: skip
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+    if req.response_format is not None:
+        kind = req.response_format.type
+        if kind not in _RESPONSE_FORMATS:
+            raise APIError(f"response_format.type must be one of {', '.join(map(repr, _RESPONSE_FORMATS))}; "
+                           f"got {_short(kind)!r}", param="response_format.type")  # fmt: skip
+        if kind != "text":
+            raise APIError(f"response_format {kind!r} is not supported by this server yet (no guided decoding); "
+                           "leave response_format out or use {\"type\": \"text\"}", param="response_format",
+                           code="unsupported")  # fmt: skip
+    return _logit_bias(req.logit_bias, vocab_size)
+
+
+def check_completion(req: CompletionRequest) -> None:
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    if req.suffix:
+        raise APIError("suffix is not supported by this server (no fill-in-the-middle)", param="suffix",
+                       code="unsupported")  # fmt: skip
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    refused = {
+        "tools": bool(req.tools),
+        "functions": bool(req.functions),
+        "tool_choice": req.tool_choice not in (None, "none"),
+        "function_call": req.function_call not in (None, "none"),
+    }
+    for param, is_used in refused.items():
+        if is_used:
+            raise APIError(f"{param}: tool and function calling is not supported by this server yet; send the "
+                           "request without tools", param=param, code="unsupported")  # fmt: skip
+
+
+def check_fan_out(num_prompts: int, n: int, max_queue_len: int) -> None:
+    """A request that expands to more engine requests than the queue holds can never be admitted: 400, not 429."""
+    total = num_prompts * n
+    if total > max_queue_len:
+        raise APIError(
+            f"this request expands to {total} engine requests ({num_prompts} prompt(s) x n={n}), more than this "
+            f"server ever queues at once (--max-queue-len {max_queue_len}); split it into smaller requests",
+            param="n" if n > 1 else "prompt",
+            code="too_many_completions",
+        )
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if _TOKEN_ID.fullmatch(key) is None or int(key) >= vocab_size:
+            raise APIError(f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings; got "
+                           f"{_short(key)!r}", param="logit_bias")  # fmt: skip
+        bias[int(key)] = value
+    return bias
+
+
+def sampling_params(
+    req: SamplingRequest, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float] | None
+) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            min_p=req.min_p or 0.0,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            logit_bias=logit_bias,
+        )
+    except ValueError as err:
+        match = _PARAM_IN_MESSAGE.search(str(err))
+        raise APIError(str(err), param=match.group(1) if match else "min_tokens") from err
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """Client text quoted in an error message, cut so that a huge value does not make a huge message."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def message_dict(message: Any) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        content = "\n".join(part.text for part in content)
+    result: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+    if message.name is not None:
+        result["name"] = message.name
+    return result

@@ -1,0 +1,192 @@
+"""The door of the API: readiness, request bodies (size, read timeout) and in-flight counting.
+
+Role: an ASGI middleware in front of the OpenAI routes (`POST /v1/...`). It answers 503 while
+the model loads or the server drains, reads the whole body itself (so it can bound it) and only
+then hands the request to FastAPI with the body replayed.
+
+Invariants:
+- A body larger than `max_body_bytes` is refused with 413 as soon as that is known (from
+  Content-Length, or while reading); a client that pauses longer than `body_read_timeout_s`
+  between two parts of its body gets 408. Both bodies are OpenAI-shaped errors.
+- A request counts as in flight (and holds a drain) only once its body is complete: an upload
+  still in progress when the drain starts is answered 503 `draining` at once, so stalled
+  uploads never hold a shutdown.
+- A refusal sent before the whole body arrived closes the connection, after reading and
+  discarding what the client is still sending for a short while (a "lingering close", bounded by
+  `_LINGER_S`): closing on unread data makes the kernel reset the connection, and a client still
+  uploading would lose the answer.
+- In-flight counting wraps the whole ASGI call, so a streamed response counts until its last
+  byte is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .protocol import APIError
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+
+_LINGER_S = 5.0  # at most this long discarding the rest of a refused body before answering
+_LINGER_PAUSE_S = 0.5  # a client that sends nothing for this long is not uploading any more
+
+
+class _Refused(Exception):
+    def __init__(self, error: APIError, more_body: bool = True) -> None:
+        self.error = error
+        self.more_body = more_body  # whether the client may still be sending its body
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class RequestGate:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        state = self.state
+        reason = state.not_ready_reason()
+        if reason is not None:
+            await _discard_rest(receive)
+            await send_error(send, _not_accepting(reason), close=True)
+            return
+        state.num_receiving += 1
+        try:
+            body = await self._read_body(scope, receive)
+        except _ClientGone:
+            return
+        except _Refused as refused:
+            if refused.more_body:
+                await _discard_rest(receive)
+            await send_error(send, refused.error, close=True)
+            return
+        finally:
+            state.num_receiving -= 1
+        state.num_inflight += 1
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            state.num_inflight -= 1
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.state.config.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            raise _Refused(_too_large(declared, limit))
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self._next_message(receive)
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            more_body = message.get("more_body", False)
+            if size > limit:
+                raise _Refused(_too_large(size, limit, at_least=more_body), more_body)
+            chunks.append(chunk)
+            if not more_body:
+                return b"".join(chunks)
+
+    async def _next_message(self, receive: Receive) -> Message:
+        """The next body message, unless the client stalls past the read timeout or a drain starts first."""
+        state = self.state
+        if state.is_draining:
+            raise _Refused(_not_accepting("draining"))
+        timeout = state.config.body_read_timeout_s
+        receiving = asyncio.ensure_future(receive())
+        draining = asyncio.ensure_future(state.drain_started.wait())
+        try:
+            await asyncio.wait({receiving, draining}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            draining.cancel()
+        if receiving.done():
+            return receiving.result()
+        receiving.cancel()
+        if state.is_draining:
+            raise _Refused(_not_accepting("draining"))
+        raise _Refused(
+            APIError(
+                f"the request body did not arrive: nothing was received for {timeout:g} s (--body-read-timeout)",
+                status_code=408,
+                code="body_read_timeout",
+            )
+        )
+
+
+async def _discard_rest(receive: Receive) -> None:
+    """Read and drop what the client still sends, until its body ends, it pauses or `_LINGER_S` is over."""
+    deadline = time.monotonic() + _LINGER_S
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), min(remaining, _LINGER_PAUSE_S))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that yields the buffered body once, then the client's own messages (disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP parser refuses a malformed length before we are called
+    return None
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
+    got = f"at least {size:,}" if at_least else f"{size:,}"
+    return APIError(
+        f"the request body is {got} bytes; this server accepts at most {limit:,} (--max-body-bytes)",
+        status_code=413,
+        code="request_too_large",
+    )
+
+
+def _not_accepting(reason: str) -> APIError:
+    return APIError(
+        f"the server is not accepting requests ({reason})", status_code=503, type="service_unavailable", code=reason
+    )
+
+
+def error_bytes(body: dict[str, Any]) -> bytes:
+    """JSON with non-ASCII escaped: an error message quoting client input can always be encoded."""
+    return json.dumps(body).encode()
+
+
+async def send_error(send: Send, error: APIError, close: bool = False) -> None:
+    payload = error_bytes(error.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if close:  # the rest of the body was not read: the connection cannot carry another request
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
