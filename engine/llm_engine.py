@@ -13,14 +13,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
-from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
+from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
 from .kv_transfer.handoff import KVHandoff
@@ -51,8 +50,7 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        if not Path(config.model).is_dir():
-            raise FileNotFoundError(f"model folder {config.model} does not exist")
+        config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
         if config.quantization is not None:
             from .quant.prepare import prepare_quantized
 
@@ -75,6 +73,7 @@ class LLMEngine:
                 device=rc.device,
                 max_positions=rc.max_model_len,
                 show_progress=config.show_progress,
+                quantization=config.quantization,
             )
             runner_config = sizing_config = self.model_config
         self.max_model_len = rc.max_model_len

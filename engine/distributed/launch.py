@@ -15,7 +15,7 @@ import socket
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from ..engine_config import EngineConfig
+from ..engine_config import EngineConfig, resolve_model
 from .parallel_state import DEFAULT_MASTER_PORT, ParallelConfig
 from .worker import WorkerArgs, worker_main
 
@@ -68,6 +68,7 @@ def stop_processes(procs: dict[int, BaseProcess], timeout: float = _STOP_TIMEOUT
 def run_worker_node(config: EngineConfig, parallel: ParallelConfig, node_rank: int) -> int:
     """Run node `node_rank`'s ranks as workers until the group shuts down; 0 when all exited cleanly."""
     parallel.validate()
+    config = resolve_model(config)  # this node's own copy of a catalogue model (pulled here if needed)
     if not 0 < node_rank < parallel.nnodes:
         raise ValueError(f"node_rank={node_rank} must be in [1, nnodes={parallel.nnodes}) for a worker node")
     port = parallel.master_port or DEFAULT_MASTER_PORT
