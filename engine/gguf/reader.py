@@ -14,6 +14,7 @@ reverse of GGUF's ``ne`` order.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -139,7 +140,8 @@ def _open_cached(file: Path, size: int, mtime_ns: int) -> GGUFFile:
 def _describe(err: BaseException, size: int) -> str:
     text = str(err)
     if "is not a valid GGMLQuantizationType" in text:
-        value = text.split(" ", 1)[0]
+        found = re.search(r"(\d+)\)? is not a valid", text)  # "99 is not ..." or "np.uint32(99) is not ..."
+        value = found.group(1) if found else text.split(" ", 1)[0]
         return (
             f"a tensor has type id {value}, unknown to the gguf package {_gguf_version()}; "
             f"supported tensor types: {', '.join(SUPPORTED_TYPES)}"
