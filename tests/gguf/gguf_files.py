@@ -166,3 +166,34 @@ def hf_to_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def sentencepiece_metadata(corpus: list[str], vocab_size: int = 300) -> Callable[[gguf.GGUFWriter], None]:
+    """An `extra` writer adding a SentencePiece-style (``llama``) vocabulary trained on `corpus`.
+
+    Layout as llama.cpp's converter writes one: <unk> (UNKNOWN), <s> and </s> (CONTROL), the 256
+    byte-fallback tokens <0xNN> (BYTE), then the pieces best-first with descending scores; no merges
+    (the reader must derive them from the scores).
+    """
+    from tokenizers import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(corpus, vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"])
+    by_id = sorted(trainer.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = [t for t, _ in by_id if t not in ("<unk>", "<s>", "</s>")]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces))]
+
+    def add(writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(True)
+
+    return add
