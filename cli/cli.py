@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tidepool.engine.gguf.pull import PullError  # torch-free: plain stdlib
+from tidepool.engine.quant.methods import QUANTIZATION_METHODS  # torch-free
 
 MODEL_HELP = "Hugging Face model folder, .gguf file (or a folder with one) or catalogue name (see `tidepool pull`)"
 
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--quantization",
         default=None,
+        choices=QUANTIZATION_METHODS,
         help="int8/int4 (quantize at load), gptq/awq (check the checkpoint), gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1)",
     )
     spec_help = 'JSON, e.g. \'{"method": "draft", "draft_model": DIR, "num_speculative_tokens": 4}\''

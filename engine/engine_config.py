@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import DTYPES, ModelConfig
+from .quant.methods import QUANTIZATION_METHODS
 from .spec_decode.config import SpeculativeConfig
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU (vLLM's CPU backend defaults to 4 GiB)
-# `quantization=` values; "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1 projections quantized (vLLM's name for GGUF).
-Quantization = Literal["int8", "int4", "gptq", "awq", "gguf"]
-QUANTIZATION_METHODS: tuple[str, ...] = get_args(Quantization)
+# `quantization=` values (engine/quant/methods.py, torch-free, shared with the CLI flags).
+Quantization = Literal[QUANTIZATION_METHODS]  # type: ignore[valid-type]
 
 
 class EngineConfig(BaseModel):

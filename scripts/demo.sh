@@ -30,30 +30,26 @@ llm = LLM(model, max_model_len=2048, show_progress=False)
 print(f"[loaded {model} in {time.monotonic() - started:.1f} s]")
 
 questions = ["What is the capital of France, and what is it famous for?", "Give me three tips for sleeping better."]
-sampled = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=80, seed=1)
+sampled = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, seed=1)
 for question, output in zip(questions, llm.chat([[{"role": "user", "content": q}] for q in questions], sampled,
                                                 use_tqdm=False)):
     print(f"\n>>> {question}\n{output.outputs[0].text.strip()}")
 
-# N-gram speculation proposes continuations found earlier in the context: text the answer copies.
+# N-gram speculation proposes continuations found earlier in the context: here, the sentence being copied.
 passage = ("Tidepool is an operator that turns an InferenceService into pods running its own inference engine, "
            "and it autoscales those pods from latency and cache occupancy.")
-task = [{"role": "user", "content": f"Repeat this sentence exactly, then say done:\n{passage}"}]
-greedy = SamplingParams(temperature=0.0, max_tokens=64)
-started = time.monotonic()
+task = [{"role": "user", "content": f"Repeat this sentence exactly:\n{passage}"}]
+greedy = SamplingParams(temperature=0.0, max_tokens=64, stop=["\n"])
 plain = llm.chat([task], greedy, use_tqdm=False)[0].outputs[0]
-plain_s = time.monotonic() - started
 spec_llm = LLM(model, max_model_len=2048, show_progress=False,
                speculative={"method": "ngram", "num_speculative_tokens": 4})
-started = time.monotonic()
 spec = spec_llm.chat([task], greedy, use_tqdm=False)[0].outputs[0]
-spec_s = time.monotonic() - started
 stats = spec_llm.engine.get_stats()
 print(f"\n>>> (greedy) {task[0]['content']}\n{plain.text.strip()}")
-print(f"\nidentical text with and without speculation: {spec.token_ids == plain.token_ids}")
+print(f"\nidentical greedy text with and without n-gram speculation: {spec.token_ids == plain.token_ids}")
 rate = stats.spec_num_accepted_tokens / max(stats.spec_num_draft_tokens, 1)
 print(f"n-gram speculation: {stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} proposed tokens accepted "
-      f"({rate:.0%}); {len(plain.token_ids)} tokens in {plain_s:.1f} s plain, {spec_s:.1f} s speculative")
+      f"({rate:.0%}) over {len(spec.token_ids)} generated tokens")
 if spec.token_ids != plain.token_ids:
     sys.exit("speculative decoding changed the greedy output")
 PY

@@ -114,6 +114,22 @@ def q4_parts(info: TensorInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1)
 
 
+def _q4_values(info: TensorInfo) -> torch.Tensor:
+    """Q4_0/Q4_1 in float32 ``[rows, blocks, 32]``: nibbles widened straight into the output, scaled in place.
+
+    ``q * d + m`` with ``m = -8 d`` for Q4_0 rounds once, like ``d * (q - 8)`` (``q * d`` is exact in float32).
+    """
+    is_q4_1 = info.type_name == "Q4_1"
+    blocks = raw_blocks(info, 20 if is_q4_1 else 18)
+    d = _half(blocks, 0)
+    m = _half(blocks, 2) if is_q4_1 else -8.0 * d
+    nibbles = blocks[..., 4:] if is_q4_1 else blocks[..., 2:]
+    out = torch.empty(*blocks.shape[:2], QK)
+    out[..., : QK // 2] = nibbles & 0xF
+    out[..., QK // 2 :] = nibbles >> 4
+    return out.mul_(d).add_(m)
+
+
 def dequantize(info: TensorInfo) -> torch.Tensor:
     """The tensor's values in float32 (F16/BF16 widened), shaped as `info.shape`."""
     kind = info.type_name
@@ -125,9 +141,7 @@ def dequantize(info: TensorInfo) -> torch.Tensor:
         blocks = raw_blocks(info, 34)
         values = _half(blocks, 0) * blocks[..., 2:].contiguous().view(torch.int8).float()
     elif kind in ("Q4_0", "Q4_1"):
-        q, d, m = q4_parts(info)
-        rows = q.shape[0]
-        values = q.view(rows, -1, QK).float() * d.unsqueeze(-1) + m.unsqueeze(-1)
+        values = _q4_values(info)
     elif kind in REFERENCE_TYPES:
         from gguf.quants import dequantize as gguf_dequantize
 

@@ -18,9 +18,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..engine_config import QUANTIZATION_METHODS
 from ..gguf.reader import is_gguf_file
 from .load import read_quant_spec
+from .methods import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
