@@ -45,7 +45,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
         """From a Hugging Face folder's config.json, or from a GGUF file's metadata (`engine/gguf/config.py`)."""
-        from .gguf.reader import is_gguf_file
+        from .gguf.detect import is_gguf_file
 
         if is_gguf_file(path):
             from .gguf.config import model_config_from_gguf

@@ -123,7 +123,7 @@ def resolve_model_path(model: str) -> str:
     several `.gguf` files or a file that is not GGUF, and `PullError` when a pull fails.
     """
     from .gguf import catalogue
-    from .gguf.reader import is_gguf_file
+    from .gguf.detect import is_gguf_file
 
     path = Path(model).expanduser()
     if path.is_file():
@@ -151,6 +151,24 @@ def resolve_model_path(model: str) -> str:
         f"model {model} does not exist: it is not a folder, a .gguf file or a catalogue name "
         f"({', '.join(catalogue.names())}; see `tidepool pull`)"
     )
+
+
+def check_model(path: str) -> None:
+    """The checks a loader makes first, without loading weights: for a GGUF file its header, architecture,
+    tensor types and tokenizer metadata (`GGUFError` naming the problem). The parse is cached per process,
+    so an engine built afterwards in the same process does not parse the file again. Folders are checked
+    by their loaders."""
+    from .gguf.detect import is_gguf_file
+
+    if not is_gguf_file(path):
+        return
+    from .gguf.config import model_config_from_gguf
+    from .gguf.reader import open_gguf
+    from .gguf.tokenizer import GGUFTokenizerSpec
+
+    gguf = open_gguf(path)
+    model_config_from_gguf(gguf)
+    GGUFTokenizerSpec(gguf)
 
 
 def resolve_model(config: EngineConfig) -> EngineConfig:

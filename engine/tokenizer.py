@@ -196,7 +196,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """From a Hugging Face folder (tokenizer.json and side files) or a GGUF file's metadata."""
-        from .gguf.reader import is_gguf_file
+        from .gguf.detect import is_gguf_file
 
         if is_gguf_file(path):
             return cls.from_gguf(path)

@@ -35,11 +35,9 @@ for question, output in zip(questions, llm.chat([[{"role": "user", "content": q}
                                                 use_tqdm=False)):
     print(f"\n>>> {question}\n{output.outputs[0].text.strip()}")
 
-# N-gram speculation proposes continuations found earlier in the context: here, the sentence being copied.
-passage = ("Tidepool is an operator that turns an InferenceService into pods running its own inference engine, "
-           "and it autoscales those pods from latency and cache occupancy.")
-task = [{"role": "user", "content": f"Repeat this sentence exactly:\n{passage}"}]
-greedy = SamplingParams(temperature=0.0, max_tokens=64, stop=["\n"])
+# N-gram speculation proposes continuations found earlier in the context: here, words the answer copies.
+task = [{"role": "user", "content": "Write each of these words on its own line: apple, banana, cherry, date, elderberry."}]
+greedy = SamplingParams(temperature=0.0, max_tokens=48)
 plain = llm.chat([task], greedy, use_tqdm=False)[0].outputs[0]
 spec_llm = LLM(model, max_model_len=2048, show_progress=False,
                speculative={"method": "ngram", "num_speculative_tokens": 4})

@@ -13,7 +13,6 @@ reverse of GGUF's ``ne`` order.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,9 +22,11 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
+from .detect import MAGIC, is_gguf_file
 from .errors import GGUFError
 
-MAGIC = b"GGUF"
+__all__ = ["GGUFFile", "TensorInfo", "is_gguf_file", "open_gguf"]
+
 # Decoded by Tidepool's own torch code; the quantized ones can also stay quantized.
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 # Decoded with the `gguf` package's numpy reference dequantizers (always dequantized).
@@ -94,17 +95,6 @@ class GGUFFile:
                 )
 
 
-def is_gguf_file(path: str | Path) -> bool:
-    """A file named *.gguf, or any file that starts with the GGUF magic."""
-    file = Path(path)
-    if not file.is_file():
-        return False
-    if file.suffix.lower() == ".gguf":
-        return True
-    with file.open("rb") as handle:
-        return handle.read(4) == MAGIC
-
-
 def open_gguf(path: str | Path) -> GGUFFile:
     """The parsed file (cached per process while the file is unchanged); `GGUFError` if it is not valid GGUF."""
     file = Path(path).resolve()
@@ -158,9 +148,3 @@ def _gguf_version() -> str:
         return version("gguf")
     except PackageNotFoundError:
         return "(unknown version)"
-
-
-def file_identity(path: str | Path) -> str:
-    """A short description for logs: the file name and its size in MiB."""
-    file = Path(path)
-    return f"{file.name} ({os.path.getsize(file) / 2**20:.1f} MiB)"

@@ -94,6 +94,12 @@ class GGUFTokenizerSpec:
         if len(self.token_types) != len(self.tokens):
             raise GGUFError(f"{gguf.path}: {len(self.token_types)} token types for {len(self.tokens)} tokens")
         self.ids = {role: self._token_id(role) for role in ("bos", "eos", "unknown", "padding", "eot", "eom")}
+        self.pre = str(gguf.get("tokenizer.ggml.pre", "default"))
+        if self.kind == "gpt2" and self.pre not in PRE_TOKENIZERS:
+            raise GGUFError(
+                f"{gguf.path}: tokenizer.ggml.pre {self.pre!r} is not a pre-tokenizer Tidepool knows; "
+                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            )
         default_bos = self.kind == "llama"
         self.add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", default_bos)) and self.ids["bos"] is not None
         self.add_eos = bool(gguf.get("tokenizer.ggml.add_eos_token", False)) and self.ids["eos"] is not None
@@ -152,13 +158,7 @@ class GGUFTokenizerSpec:
                 token = "".join(spelling[b] for b in token.encode("utf-8"))
             vocab[token] = index
         merges = [self._merge(m) for m in self.gguf.require("tokenizer.ggml.merges", "the BPE merges of a gpt2 vocab")]
-        pre = self.gguf.get("tokenizer.ggml.pre", "default")
-        if pre not in PRE_TOKENIZERS:
-            raise GGUFError(
-                f"{self.gguf.path}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer Tidepool knows; "
-                f"supported: {', '.join(sorted(PRE_TOKENIZERS))}"
-            )
-        split, ignore_merges = PRE_TOKENIZERS[pre]
+        split, ignore_merges = PRE_TOKENIZERS[self.pre]
         tokenizer = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
         if split == "gpt2":

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
-from ..gguf.reader import is_gguf_file
+from ..gguf.detect import is_gguf_file
 from ..quant.load import load_quantized, read_quant_spec
 from .llama import LlamaForCausalLM
 

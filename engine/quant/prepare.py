@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..gguf.reader import is_gguf_file
+from ..gguf.detect import is_gguf_file
 from .load import read_quant_spec
 from .methods import QUANTIZATION_METHODS
 

@@ -26,7 +26,7 @@ import torch
 
 from ..config import ModelConfig
 from ..engine_config import resolve_model_path
-from ..gguf.reader import is_gguf_file
+from ..gguf.detect import is_gguf_file
 from ..kv_cache import KVCacheManager
 from ..model_runner import ModelRunner
 from ..models.loader import load_model

