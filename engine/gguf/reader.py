@@ -22,10 +22,8 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from .detect import MAGIC, is_gguf_file
+from .detect import MAGIC
 from .errors import GGUFError
-
-__all__ = ["GGUFFile", "TensorInfo", "is_gguf_file", "open_gguf"]
 
 # Decoded by Tidepool's own torch code; the quantized ones can also stay quantized.
 NATIVE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")

@@ -95,7 +95,11 @@ def test_engine_runs_kept_and_quantized_at_load(gguf_model) -> None:
         LLM(str(file), quantization="int4", **engine)  # K = 64 / 160 here: 128-wide groups cannot tile it
 
 
-def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_dir) -> None:
+def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_dir, tmp_path: Path) -> None:
+    from tidepool.engine.quant.cli import quantize_folder
+
+    with pytest.raises(ValueError, match=r"is a GGUF file; `tidepool quantize` converts Hugging Face folders"):
+        quantize_folder(gguf_model("llama-gqa", "F32"), tmp_path / "out", "int8")
     with pytest.raises(ValueError, match="is a GGUF file, not a GPTQ checkpoint"):
         LLM(str(gguf_model("llama-gqa", "Q4_1")), quantization="gptq", show_progress=False)
     with pytest.raises(ValueError, match=r"but .* is a Hugging Face folder"):
