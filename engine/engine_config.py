@@ -3,27 +3,37 @@
 Pydantic at the edge: unknown or out-of-range values raise `ValueError` (pydantic's
 `ValidationError` is one) naming the field. Cross-field checks that need the model's config
 (max_model_len vs positions, KV capacity vs max_model_len) happen in `resolve`.
+
+Model resolution happens here, once, for every entry point (`LLM`, `tidepool serve`, `generate`,
+worker nodes): `resolve_model_path` turns what the user wrote into the path the loaders read:
+a Hugging Face folder as is; a `.gguf` file as is; a folder holding exactly one `.gguf` (and no
+safetensors) -> that file; a catalogue name (`engine/gguf/catalogue.py`) -> its cached file,
+pulled first if needed. The loaders downstream only ever see folders and files.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import DTYPES, ModelConfig
+from .quant.methods import QUANTIZATION_METHODS
 from .spec_decode.config import SpeculativeConfig
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU (vLLM's CPU backend defaults to 4 GiB)
+# `quantization=` values (engine/quant/methods.py, torch-free, shared with the CLI flags).
+Quantization = Literal[QUANTIZATION_METHODS]  # type: ignore[valid-type]
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Local Hugging Face model folder")
-    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to the model folder")
+    model: str = Field(description="Hugging Face model folder, .gguf file (or a folder with one) or catalogue name")
+    tokenizer: str | None = Field(None, description="Tokenizer folder or .gguf file; defaults to the model")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:N'")
     block_size: int = Field(16, ge=1, le=1024)
@@ -37,8 +47,10 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     seed: int = 0
     show_progress: bool = True
-    quantization: Literal["int8", "int4", "gptq", "awq"] | None = Field(
-        None, description="Check (gptq/awq/int8/int4 checkpoints) or apply at load (int8/int4 on a dense folder)"
+    quantization: Quantization | None = Field(
+        None,
+        description="Check (gptq/awq/int8/int4 checkpoints) or apply at load (int8/int4 on a dense model); "
+        "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized (default for GGUF: dequantize to dtype)",
     )
     speculative: SpeculativeConfig | None = Field(
         None, description="Speculative decoding: {'method': 'ngram'|'draft', 'draft_model': PATH, ...}"
@@ -102,3 +114,67 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> N
             f"fewer than max_model_len={max_model_len}; "
             "raise num_kv_blocks (or the memory budget) or lower max_model_len"
         )
+
+
+def resolve_model_path(model: str) -> str:
+    """The folder or file to load for `model` (see the module docstring); pulls catalogue models.
+
+    Raises FileNotFoundError for a name that is nothing of the above, ValueError for a folder with
+    several `.gguf` files or a file that is not GGUF, and `PullError` when a pull fails.
+    """
+    from .gguf import catalogue
+    from .gguf.detect import is_gguf_file
+
+    path = Path(model).expanduser()
+    if path.is_file():
+        if not is_gguf_file(path):
+            raise ValueError(f"{model} is a file but not a GGUF file; give a Hugging Face model folder or a .gguf file")
+        return str(path)
+    if path.is_dir():
+        has_safetensors = any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file()
+        ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if has_safetensors or not ggufs:
+            return str(path)  # a Hugging Face folder; the loader names anything missing
+        if len(ggufs) > 1:
+            listed = ", ".join(p.name for p in ggufs[:6]) + (", ..." if len(ggufs) > 6 else "")
+            raise ValueError(
+                f"model folder {model} holds {len(ggufs)} .gguf files ({listed}); give the file to load, "
+                f"e.g. {path / ggufs[0].name}"
+            )
+        return str(ggufs[0])
+    entry = catalogue.lookup(model)
+    if entry is not None:
+        from .gguf.pull import pull
+
+        return str(pull(entry.name))
+    raise FileNotFoundError(
+        f"model {model} does not exist: it is not a folder, a .gguf file or a catalogue name "
+        f"({', '.join(catalogue.names())}; see `tidepool pull`)"
+    )
+
+
+def check_model(path: str) -> None:
+    """The checks a loader makes first, without loading weights: for a GGUF file its header, architecture,
+    tensor types and tokenizer metadata (`GGUFError` naming the problem). The parse is cached per process,
+    so an engine built afterwards in the same process does not parse the file again. Folders are checked
+    by their loaders."""
+    from .gguf.detect import is_gguf_file
+
+    if not is_gguf_file(path):
+        return
+    from .gguf.config import model_config_from_gguf
+    from .gguf.reader import open_gguf
+    from .gguf.tokenizer import GGUFTokenizerSpec
+
+    gguf = open_gguf(path)
+    model_config_from_gguf(gguf)
+    GGUFTokenizerSpec(gguf)
+
+
+def resolve_model(config: EngineConfig) -> EngineConfig:
+    """`config` with `model` (and `tokenizer`) resolved to what the loaders read; idempotent."""
+    model = resolve_model_path(config.model)
+    tokenizer = None if config.tokenizer is None else resolve_model_path(config.tokenizer)
+    if model == config.model and tokenizer == config.tokenizer:
+        return config
+    return config.model_copy(update={"model": model, "tokenizer": tokenizer})

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
 from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
 from .distributed.executor import MultiprocExecutor
-from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve
+from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
 from .isolation import StepIsolation
 from .kv_cache import KVCacheManager
 from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
@@ -46,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        if not Path(config.model).is_dir():
-            raise FileNotFoundError(f"model folder {config.model} does not exist")
+        config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
         if config.quantization is not None:
             from .quant.prepare import prepare_quantized
 
@@ -70,6 +68,7 @@ class LLMEngine:
                 device=rc.device,
                 max_positions=rc.max_model_len,
                 show_progress=config.show_progress,
+                quantization=config.quantization,
             )
             runner_config = sizing_config = self.model_config
         self.max_model_len = rc.max_model_len

@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .quant.methods import QUANTIZATION_METHODS
+
 Kind = Literal["int", "float", "str", "bool", "switch", "json"]
 
 # Help-section titles, in the order `tidepool serve --help` shows them ("" = the parser's own section).
@@ -84,9 +86,10 @@ class ServeFlag:
 
 SERVE_FLAGS: tuple[ServeFlag, ...] = (
     # name, kind, default, help; then its help section, choices, whether the operator sets it, its EngineConfig field.
-    ServeFlag("model", "str", None, "local Hugging Face model folder", group="", required=True,
+    ServeFlag("model", "str", None, "Hugging Face model folder, .gguf file (or a folder holding one) or catalogue "
+              "name (`tidepool pull --list`)", group="", required=True,
               managed=True, engine_field="model"),
-    ServeFlag("tokenizer", "str", None, "tokenizer folder; default: the model folder", engine_field="tokenizer"),
+    ServeFlag("tokenizer", "str", None, "tokenizer folder or .gguf file; default: the model", engine_field="tokenizer"),
     ServeFlag("dtype", "str", "auto", "activation/weight dtype; auto uses the checkpoint's",
               choices=("auto", "float32", "bfloat16", "float16"), managed=True, engine_field="dtype"),
     ServeFlag("device", "str", "auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", engine_field="device"),
@@ -107,8 +110,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               managed=True, engine_field="enable_chunked_prefill"),
     ServeFlag("seed", "int", 0, "sampling seed of requests that set none", engine_field="seed"),
     ServeFlag("quantization", "str", None,
-              "check a quantized checkpoint's method, or quantize a dense folder to int8/int4 at load",
-              choices=("int8", "int4", "gptq", "awq"), managed=True, engine_field="quantization"),
+              "check a quantized checkpoint's method, quantize a dense model to int8/int4 at load, or gguf: "
+              "keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATION_METHODS, managed=True, engine_field="quantization"),
     ServeFlag("speculative-config", "json", None,
               'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
               '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',

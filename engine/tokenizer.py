@@ -1,8 +1,10 @@
-"""Text <-> token ids and chat-template rendering for a local Hugging Face model folder.
+"""Text <-> token ids and chat-template rendering for a local Hugging Face model folder or GGUF file.
 
 Role: the engine's only tokenizer. It reads `tokenizer.json` with the `tokenizers` library and the
 side files (`tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`,
-`config.json`) directly, so the runtime never needs `transformers`.
+`config.json`) directly, so the runtime never needs `transformers`. A GGUF file carries no
+tokenizer.json: `engine/gguf/tokenizer.py` rebuilds the same `tokenizers.Tokenizer` from its metadata
+(checked against transformers' GGUF loader by tests/gguf/).
 
 Invariants (checked against transformers 5.x by tests/test_tokenizer.py):
 - `encode(text)` equals `AutoTokenizer.from_pretrained(folder)(text)["input_ids"]`. As in
@@ -193,6 +195,11 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """From a Hugging Face folder (tokenizer.json and side files) or a GGUF file's metadata."""
+        from .gguf.detect import is_gguf_file
+
+        if is_gguf_file(path):
+            return cls.from_gguf(path)
         folder = Path(path)
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -209,6 +216,15 @@ class Tokenizer:
             _read_json(folder / "config.json").get("eos_token_id")
         )
         return cls(backend, config, _load_chat_templates(folder, config), eos_ids, name=str(folder))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file describes (`engine/gguf/tokenizer.py`); GGUFError when it has none."""
+        from .gguf.reader import open_gguf
+        from .gguf.tokenizer import GGUFTokenizerSpec
+
+        spec = GGUFTokenizerSpec(open_gguf(path))
+        return cls(spec.backend(), spec.config(), spec.chat_templates(), spec.stop_ids(), name=str(path))
 
     # -- ids -------------------------------------------------------------------------------------------
 

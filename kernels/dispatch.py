@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from .int4_packing import check_int4_shapes, dequantize_int4
+from .int4_packing import check_int4_shapes, dequantize_int4, offset_args
 
 
 def int8_linear(
@@ -46,26 +46,36 @@ def int4_linear(
     x: torch.Tensor,
     qweight: torch.Tensor,
     scales: torch.Tensor,
-    zeros: torch.Tensor,
+    zeros: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None = None,
+    *,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [..., K] -> [..., N]`` with group-wise int4 weights in Tidepool's packing (``int4_packing``)."""
+    """``x [..., K] -> [..., N]`` with group-wise int4 weights in Tidepool's packing (``int4_packing``).
+
+    The group offset is either ``zeros`` (``W = (q - z) * s``) or ``mins`` (``W = q * s + m``).
+    """
     if x.is_cuda:
         from .int4_matmul import int4_matmul
 
-        y2 = int4_matmul(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size)
+        y2 = int4_matmul(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size, mins=mins)
         y = y2.view(*x.shape[:-1], qweight.shape[1])
     elif sys.byteorder == "little":
-        y = _int4_matmul_cpu(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size)
+        y = _int4_matmul_cpu(x.reshape(-1, x.shape[-1]), qweight, scales, zeros, group_size, mins)
         y = y.view(*x.shape[:-1], qweight.shape[1])
     else:
-        y = x @ dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype)
+        y = x @ dequantize_int4(qweight, scales, zeros, group_size, dtype=x.dtype, mins=mins)
     return y if bias is None else y + bias
 
 
 def _int4_matmul_cpu(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU int4 matmul ``x [M, K]`` without materialising the dequantized weight.
 
@@ -73,10 +83,12 @@ def _int4_matmul_cpu(
     four little-endian bytes (byte j of word r holds rows 8r+2j (low nibble) and 8r+2j+1 (high)),
     converted to float once and split with float ops: ``high = floor(b / 16)``, ``low = b - 16 * high``
     (in place; folding ``low`` away algebraically would cancel badly in bfloat16).
-    Scales and zeros are applied per group to the small partial products:
-    ``y = sum_g s_g * (x_g @ q_g) - (sum_g x_g) @ (s * z)``.
+    Scales and offsets are applied per group to the small partial products:
+    ``y = sum_g s_g * (x_g @ q_g) - (sum_g x_g) @ (s * z)`` with zero points, or
+    ``... + (sum_g x_g) @ m`` with mins.
     """
-    k = check_int4_shapes(qweight, scales, zeros, group_size)
+    offset, is_min = offset_args(zeros, mins)
+    k = check_int4_shapes(qweight, scales, offset, group_size)
     n = qweight.shape[1]
     num_groups, rows = k // group_size, group_size // 2
     # [K/8, 4, N] in float: byte j of every word, laid out so each group is one [rows, N] matrix.
@@ -90,7 +102,10 @@ def _int4_matmul_cpu(
     partial = torch.baddbmm(torch.bmm(x_low, low), x_high, high)  # [G, M, N]: x_g @ q_g
     scales = scales.to(x.dtype)
     y = (partial * scales.unsqueeze(1)).sum(dim=0)
-    return y - x.reshape(-1, num_groups, group_size).sum(dim=-1) @ (scales * zeros.to(x.dtype))
+    group_sums = x.reshape(-1, num_groups, group_size).sum(dim=-1)  # [M, G]
+    if is_min:
+        return y + group_sums @ offset.to(x.dtype)
+    return y - group_sums @ (scales * offset.to(x.dtype))
 
 
 def store_kv(

@@ -3,7 +3,8 @@
 ``int4_matmul(x, qweight, scales, zeros, group_size)``: ``x [M, K]`` (float16/bfloat16/float32),
 ``qweight`` int32 ``[K // 8, N]`` (eight nibbles along K per int32, lowest first), ``scales``
 and ``zeros`` ``[K // group_size, N]`` -> ``y = x @ W`` ``[M, N]`` in x's dtype, with
-``W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]``.
+``W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]``; or, with
+``zeros=None, mins=...`` (llama.cpp Q4_1's form), ``W[k, n] = q[k, n] * scales[g, n] + mins[g, n]``.
 
 Each K tile unpacks its nibbles in registers (row ``k`` reads int32 row ``k // 8`` and shifts
 by ``4 * (k % 8)``; the eight rows sharing an int32 hit the same cache line), dequantizes in
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from ._checks import cdiv, check_matmul_input, choose_split_k, dot_precision
 from ._dot import mma, upcast_dot
-from .int4_packing import check_int4_shapes, dequantize_int4
+from .int4_packing import check_int4_shapes, dequantize_int4, offset_args
 
 
 @triton.jit
@@ -51,6 +52,7 @@ def _int4_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     TILE_IN_GROUP: tl.constexpr,
+    OFFSET_IS_MIN: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -81,18 +83,21 @@ def _int4_matmul_kernel(
             groups = (ks // group_size)[:, None]
             scale = tl.load(SCALES + groups * stride_sg + cols[None, :] * stride_sn, mask=w_mask, other=0.0)
             zero = tl.load(ZEROS + groups * stride_zg + cols[None, :] * stride_zn, mask=w_mask, other=0.0)
-        w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
+        if OFFSET_IS_MIN:
+            w = q * scale.to(tl.float32) + zero.to(tl.float32)  # `zero` holds the group's min here
+        else:
+            w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
         acc = mma(x, w.to(x.dtype), acc, DOT_PRECISION, UPCAST)
     y_ptrs = Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> int:
-    k = check_int4_shapes(qweight, scales, zeros, group_size)
-    if not scales.is_floating_point() or zeros.dtype != scales.dtype:
-        raise ValueError(f"scales and zeros must share one float dtype, got {scales.dtype} and {zeros.dtype}")
-    if scales.device != qweight.device or zeros.device != qweight.device:
-        raise ValueError("qweight, scales and zeros must be on one device")
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor, group_size: int) -> int:
+    k = check_int4_shapes(qweight, scales, offset, group_size)
+    if not scales.is_floating_point() or offset.dtype != scales.dtype:
+        raise ValueError(f"scales and zeros/mins must share one float dtype, got {scales.dtype} and {offset.dtype}")
+    if scales.device != qweight.device or offset.device != qweight.device:
+        raise ValueError("qweight, scales and zeros/mins must be on one device")
     check_matmul_input(x, k, qweight.device)
     return k
 
@@ -106,10 +111,17 @@ def _block_k(group_size: int) -> int:
 
 
 def int4_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    *,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W [K, N] -> [M, N]`` with ``W`` stored as int4 (see the module docstring)."""
-    k = _check(x, qweight, scales, zeros, group_size)
+    offset, is_min = offset_args(zeros, mins)
+    k = _check(x, qweight, scales, offset, group_size)
     m, n = x.shape[0], qweight.shape[1]
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=x.dtype, device=x.device)
@@ -130,7 +142,7 @@ def int4_matmul(
         x,
         qweight,
         scales,
-        zeros,
+        offset,
         y,
         m,
         n,
@@ -142,8 +154,8 @@ def int4_matmul(
         qweight.stride(1),
         scales.stride(0),
         scales.stride(1),
-        zeros.stride(0),
-        zeros.stride(1),
+        offset.stride(0),
+        offset.stride(1),
         y.stride(0),
         y.stride(1),
         y.stride(2),
@@ -152,6 +164,7 @@ def int4_matmul(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         TILE_IN_GROUP=group_size % block_k == 0,
+        OFFSET_IS_MIN=is_min,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST=upcast_dot(x.dtype),
         num_warps=4,
@@ -160,8 +173,15 @@ def int4_matmul(
 
 
 def int4_matmul_ref(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    *,
+    mins: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: unpack and dequantize to float32 (``int4_packing``), matmul, round to x's dtype."""
-    _check(x, qweight, scales, zeros, group_size)
-    return (x.float() @ dequantize_int4(qweight, scales, zeros, group_size, dtype=torch.float32)).to(x.dtype)
+    _check(x, qweight, scales, offset_args(zeros, mins)[0], group_size)
+    w = dequantize_int4(qweight, scales, zeros, group_size, dtype=torch.float32, mins=mins)
+    return (x.float() @ w).to(x.dtype)

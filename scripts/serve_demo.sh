@@ -1,46 +1,51 @@
 #!/usr/bin/env bash
-# The server demo: set up the environment, make the demo model, start `tidepool serve`, stream a
-# completion to the terminal, print a few vLLM metrics, stop the server cleanly (SIGTERM, exit 0).
+# The server demo: set up the environment, start `tidepool serve` on the demo model (a folder holding one .gguf
+# resolves to that file; catalogue names are pulled first), stream a chat completion to the terminal with the official openai client, print a
+# few vLLM metrics, stop the server with SIGTERM (it drains, then exits 0). TIDEPOOL_DEMO_MODEL picks the model.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
-model="$(demo_model)"
+model="${TIDEPOOL_DEMO_MODEL:-smollm2-135m-instruct}"
+if [[ ! -e "$model" ]]; then  # a catalogue name: serve the cache folder that holds its one .gguf
+  model="$(dirname "$(cd /tmp && tidepool --log-level WARNING pull "$model")")"
+fi
 port="${TIDEPOOL_DEMO_PORT:-8765}"
 log="$(mktemp -t tidepool-serve.XXXXXX.log)"
 # Run from outside the clone: a clone root on sys.path would let operator/ shadow the stdlib module.
-(cd /tmp && exec tidepool serve --model "$model" --served-model-name demo --host 127.0.0.1 --port "$port") >"$log" 2>&1 &
+(cd /tmp && exec tidepool serve --model "$model" --served-model-name smollm2 --max-model-len 2048 \
+  --host 127.0.0.1 --port "$port") >"$log" 2>&1 &
 server_pid=$!
 trap 'kill -9 "$server_pid" 2>/dev/null || true' EXIT
 
-echo "== starting tidepool serve on 127.0.0.1:$port (log: $log)"
-for _ in $(seq 1 240); do
+echo "== starting tidepool serve --model $model on 127.0.0.1:$port (log: $log)"
+for _ in $(seq 1 1200); do  # up to 10 minutes: a busy machine loads slowly
   if curl -sf "http://127.0.0.1:$port/ready" >/dev/null; then break; fi
   if ! kill -0 "$server_pid" 2>/dev/null; then cat "$log"; echo "server exited" >&2; exit 1; fi
   sleep 0.5
 done
 curl -sf "http://127.0.0.1:$port/ready" >/dev/null || { cat "$log"; echo "server not ready" >&2; exit 1; }
 
-echo "== streaming a completion (the openai client, stream=True)"
+echo "== streaming a chat completion (the openai client, stream=True)"
 "$PY" - "$port" <<'PY'
 import sys
 
 import openai
 
 client = openai.OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="unused")
-prompt = "import os\nimport sys\n\n\ndef main("
-print(prompt, end="", flush=True)
-stream = client.completions.create(
-    model="demo",
-    prompt=prompt,
-    max_tokens=64,
+question = "Explain in two sentences what Kubernetes is."
+print(f">>> {question}")
+stream = client.chat.completions.create(
+    model="smollm2",
+    messages=[{"role": "user", "content": question}],
+    max_tokens=96,
     temperature=0.7,
     seed=0,
     stream=True,
     stream_options={"include_usage": True},
 )
 for chunk in stream:
-    if chunk.choices:
-        print(chunk.choices[0].text, end="", flush=True)
+    if chunk.choices and chunk.choices[0].delta.content:
+        print(chunk.choices[0].delta.content, end="", flush=True)
     if chunk.usage:
         print(f"\n[{chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion tokens]")
 PY
@@ -60,4 +65,6 @@ if [[ "$status" -ne 0 ]]; then
 fi
 grep -E "drained|KV blocks free" "$log" || true
 echo "server stopped cleanly (exit 0)"
-echo "(a 22M-parameter model trained for under an hour on the Python standard library: Python-looking text, not code that runs)"
+if [[ -n "${TIDEPOOL_DEMO_START:-}" ]]; then
+  echo "(demo finished in $(($(date +%s) - TIDEPOOL_DEMO_START)) s)"
+fi

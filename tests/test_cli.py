@@ -1,4 +1,4 @@
-"""The `tidepool` console script: make-model and generate work end to end; errors exit 2 with a message."""
+"""The `tidepool` console script: make-model and generate work end to end; a bad model exits 1 with one line."""
 
 from __future__ import annotations
 
@@ -26,8 +26,16 @@ def test_make_model_then_generate(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_generate_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--model", str(tmp_path / "nope")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not exist" in err[0] and "catalogue name" in err[0]
+
+
+def test_generate_invalid_engine_option_is_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pydantic's multi-line report becomes one `field: message` line."""
+    assert main(["generate", "--model", str(tiny_model_dir), "--max-num-seqs", "0"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tidepool generate: error: max_num_seqs: ")
 
 
 def test_unknown_preset_rejected_by_argparse() -> None:

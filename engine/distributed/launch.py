@@ -20,7 +20,7 @@ from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
-from ..engine_config import EngineConfig
+from ..engine_config import EngineConfig, resolve_model
 from .health import NodeHealth, serve_health
 from .parallel_state import DEFAULT_MASTER_PORT, ParallelConfig
 from .worker import WorkerArgs, worker_main
@@ -88,6 +88,7 @@ def run_worker_node(
     (see health.py); the port is bound before any rank starts.
     """
     parallel.validate()
+    config = resolve_model(config)  # this node's own copy of a catalogue model (pulled here if needed)
     if not 0 < node_rank < parallel.nnodes:
         raise ValueError(f"node_rank={node_rank} must be in [1, nnodes={parallel.nnodes}) for a worker node")
     port = parallel.master_port or DEFAULT_MASTER_PORT

@@ -80,6 +80,7 @@ def load_stage(
         device="cpu",
         max_positions=rc.max_model_len,
         show_progress=config.show_progress and info.rank == 0,
+        quantization=config.quantization,
     )
     check_tp(model_config, info.tp_size)
     ranges = partition_layers(model_config.num_hidden_layers, info.pp_size)

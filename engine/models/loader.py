@@ -1,8 +1,9 @@
-"""Load a model from a local Hugging Face folder: config, then safetensors (single or sharded).
+"""Load a model from a local Hugging Face folder (config, then safetensors, single or sharded) or a GGUF file.
 
 Errors name what is wrong: a missing file (and the folder it was looked for in), an
 unsupported architecture (with the supported list), a tensor with the wrong shape, a weight
-the checkpoint lacks. A progress bar shows tensors as they are copied in.
+the checkpoint lacks; for a GGUF file, a `GGUFError` naming the file (`engine/gguf/load.py`).
+A progress bar shows tensors as they are copied in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
+from ..gguf.detect import is_gguf_file
 from ..quant.load import load_quantized, read_quant_spec
 from .llama import LlamaForCausalLM
 
@@ -65,7 +67,14 @@ def load_model(
     device: torch.device | str = "cpu",
     max_positions: int | None = None,
     show_progress: bool = True,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """`(model, config)`. `quantization` applies to GGUF files (None: dequantize; "gguf": keep Q8_0/Q4_0/Q4_1;
+    "int8"/"int4": quantize at load); a folder's own `quantization_config` decides for a folder."""
+    if is_gguf_file(path):
+        from ..gguf.load import load_gguf
+
+        return load_gguf(path, dtype, device, max_positions, show_progress, quantization)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..gguf.detect import is_gguf_file
 from .quantize import METHODS, check_method, quantize_tensors
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,11 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
     check_method(method)
     src, dst = Path(src), Path(dst)
     config_path = src / "config.json"
+    if is_gguf_file(src):
+        raise ValueError(
+            f"{src} is a GGUF file; `tidepool quantize` converts Hugging Face folders. Load the GGUF with "
+            "--quantization int8/int4 (quantized at load) or gguf (its own Q8_0/Q4_0/Q4_1 weights kept) instead"
+        )
     if not config_path.is_file():
         raise ValueError(f"{src} is not a model folder (no config.json)")
     config = json.loads(config_path.read_text())

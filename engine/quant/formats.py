@@ -42,13 +42,18 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 @dataclass(slots=True)
 class Int4Parts:
-    """One linear's runtime int4 tensors; ``perm`` (int64 ``[K]``) is the input permutation or None."""
+    """One linear's runtime int4 tensors; ``perm`` (int64 ``[K]``) is the input permutation or None.
+
+    The group offset is ``zeros`` (``W = (q - z) * s``: GPTQ, AWQ, Tidepool's RTN) or ``mins``
+    (``W = q * s + m``: llama.cpp's Q4_0/Q4_1), exactly one of them set.
+    """
 
     qweight: torch.Tensor  # int32 [K // 8, N]
     scales: torch.Tensor  # [K // group_size, N]
-    zeros: torch.Tensor  # [K // group_size, N], real-valued zero points
+    zeros: torch.Tensor | None  # [K // group_size, N], real-valued zero points
     group_size: int
     perm: torch.Tensor | None = None
+    mins: torch.Tensor | None = None  # [K // group_size, N], added after scaling
 
 
 def unpack_along_last(packed: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def read_quant_spec(folder: Path) -> QuantSpec | None:
     return None
 
 
-def _targets(model: nn.Module) -> dict[str, list[str]]:
+def projection_targets(model: nn.Module) -> dict[str, list[str]]:
     """Dense parameter name -> the HF projection prefixes fused into it, in row order."""
     by_param: dict[str, list[tuple[int, str]]] = {}
     for hf_name, (param, offset, _rows) in model.checkpoint_layout().items():
@@ -168,7 +168,7 @@ def _load_quantized(
 
     quantized_keys: set[str] = set()
     swaps: dict[str, QuantizedWeight] = {}
-    targets = _targets(model)
+    targets = projection_targets(model)
     for param, prefixes in tqdm(targets.items(), desc="Converting quantized weights", disable=not show_progress):
         present = [p for p in prefixes if f"{p}.qweight" in key_file]
         if not present:

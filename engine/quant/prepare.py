@@ -6,6 +6,8 @@ holds. A dense folder asked for `int8`/`int4` is quantized once into a sibling c
 (`$TIDEPOOL_QUANT_CACHE`, default `<tmp>/tidepool-quantized/<name>-<method>-g<group>-<key>`, keyed on
 the source's config and weight files' sizes and mtimes), which then loads like any quantized
 folder — the operator's pods do this in their writable /tmp. `gptq`/`awq` need such a checkpoint.
+A GGUF file is returned as is for `gguf` (keep its Q8_0/Q4_0/Q4_1 weights), `int8` and `int4` (quantized
+in memory at load, `engine/gguf/quantized.py`); `gguf` on a folder and `gptq`/`awq` on a GGUF file are errors.
 """
 
 from __future__ import annotations
@@ -16,20 +18,35 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..gguf.detect import is_gguf_file
 from .load import read_quant_spec
+from .methods import QUANTIZATION_METHODS
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "int4", "gptq", "awq")
+METHODS = QUANTIZATION_METHODS
+DEFAULT_GROUP_SIZE = 128  # int4 at load, for folders and GGUF files alike
 _KIND = {"int8": "tidepool-int8", "int4": "tidepool-int4", "gptq": "gptq", "awq": "awq"}
 
 
-def prepare_quantized(model: str, quantization: str | None, group_size: int = 128) -> str:
+def prepare_quantized(model: str, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> str:
     """The folder to load for `model` quantized with `quantization` (None: the model as it is)."""
     if quantization is None:
         return model
     if quantization not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {quantization!r}")
+    if is_gguf_file(model):
+        if quantization in ("gptq", "awq"):
+            raise ValueError(
+                f"{model} is a GGUF file, not a {quantization.upper()} checkpoint; for GGUF use quantization "
+                "'gguf' (keep its Q8_0/Q4_0/Q4_1 weights), 'int8'/'int4' (quantize at load) or none (dequantize)"
+            )
+        return model  # the GGUF loader applies the mode
+    if quantization == "gguf":
+        raise ValueError(
+            f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {model} is a Hugging Face folder; "
+            "use int8, int4, gptq, awq or none"
+        )
     folder = Path(model)
     spec = read_quant_spec(folder)
     if spec is not None:

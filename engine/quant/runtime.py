@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels.dispatch import int4_linear, int8_linear
-from ...kernels.int4_packing import check_int4_shapes
+from ...kernels.int4_packing import check_int4_shapes, offset_args
 from .formats import Int4Parts
 
 
@@ -78,18 +78,20 @@ class Int4Weight(QuantizedWeight):
 
     def __init__(self, parts: Int4Parts) -> None:
         super().__init__()
-        self.in_features = check_int4_shapes(parts.qweight, parts.scales, parts.zeros, parts.group_size)
+        offset, _ = offset_args(parts.zeros, parts.mins)
+        self.in_features = check_int4_shapes(parts.qweight, parts.scales, offset, parts.group_size)
         self.out_features = parts.qweight.shape[1]
         self.group_size = parts.group_size
         self.register_buffer("qweight", parts.qweight)
         self.register_buffer("scales", parts.scales)
         self.register_buffer("zeros", parts.zeros)
+        self.register_buffer("mins", parts.mins)
         self.register_buffer("perm", parts.perm)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        return int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias)
+        return int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias, mins=self.mins)
 
 
 class ConcatWeight(QuantizedWeight):
@@ -116,14 +118,21 @@ def fuse_int4(parts: list[Int4Parts]) -> QuantizedWeight:
         or (p.perm is not None and first.perm is not None and torch.equal(p.perm, first.perm))
         for p in parts
     )
-    if not same_perm:
+    # One offset form and one scale dtype for all parts, else they cannot share one buffer each.
+    same_offsets = all((p.mins is None) == (first.mins is None) for p in parts)
+    same_dtype = all(p.scales.dtype == first.scales.dtype for p in parts)
+    if not (same_perm and same_offsets and same_dtype):
         return ConcatWeight([Int4Weight(p) for p in parts])
+
+    zeros = [p.zeros for p in parts if p.zeros is not None]
+    mins = [p.mins for p in parts if p.mins is not None]
     fused = Int4Parts(
         torch.cat([p.qweight for p in parts], dim=1),
         torch.cat([p.scales for p in parts], dim=1),
-        torch.cat([p.zeros for p in parts], dim=1),
+        torch.cat(zeros, dim=1) if zeros else None,
         first.group_size,
         first.perm,
+        torch.cat(mins, dim=1) if mins else None,
     )
     return Int4Weight(fused)
 

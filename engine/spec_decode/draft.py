@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..engine_config import resolve_model_path
+from ..gguf.detect import is_gguf_file
 from ..kv_cache import KVCacheManager
 from ..model_runner import ModelRunner
 from ..models.loader import load_model
@@ -70,17 +72,18 @@ class DraftProposal:
 
 
 def check_draft_compatible(draft: str | Path, target_tokenizer: Tokenizer, target_config: ModelConfig) -> ModelConfig:
-    """The draft must share the target's vocabulary exactly; raises ValueError naming the mismatch."""
+    """The draft must share the target's vocabulary exactly; raises ValueError naming the mismatch.
+
+    `draft` is what `resolve_model_path` returned: a Hugging Face folder or a GGUF file (dequantized).
+    """
     folder = Path(draft)
-    if not folder.is_dir():
-        raise ValueError(f"speculative draft_model folder {folder} does not exist; give a local Hugging Face folder")
     config = ModelConfig.from_pretrained(folder)
     if config.vocab_size != target_config.vocab_size:
         raise ValueError(
             f"draft model {folder} has vocab_size {config.vocab_size} but the target has {target_config.vocab_size}; "
             "a draft must use the target's tokenizer and vocabulary (use method 'ngram' otherwise)"
         )
-    if not (folder / "tokenizer.json").is_file():
+    if not is_gguf_file(folder) and not (folder / "tokenizer.json").is_file():
         raise ValueError(f"draft model {folder} has no tokenizer.json, so its vocabulary cannot be checked")
     draft_vocab = Tokenizer.from_pretrained(folder).backend.get_vocab(with_added_tokens=True)
     target_vocab = target_tokenizer.backend.get_vocab(with_added_tokens=True)
@@ -107,6 +110,10 @@ class DraftProposer:
         num_blocks: int,
         show_progress: bool = True,
     ) -> None:
+        try:
+            path = resolve_model_path(str(path))  # a folder, a .gguf file or a catalogue name, as for the target
+        except FileNotFoundError as err:
+            raise ValueError(f"speculative draft_model: {err}") from None
         config = check_draft_compatible(path, target_tokenizer, target_config)
         if config.max_position_embeddings < max_model_len:
             raise ValueError(

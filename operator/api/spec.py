@@ -65,7 +65,8 @@ class ModelSource(ApiModel):
         default="none",
         description=(
             "Weight quantization: none; int8/int4 (Tidepool weight-only, quantized at load); gptq/awq "
-            "(checkpoint already quantized with that method)."
+            "(checkpoint already quantized with that method); gguf (a GGUF model's Q8_0/Q4_0/Q4_1 weights kept "
+            "quantized; without it a GGUF model is dequantized)."
         ),
     )
 

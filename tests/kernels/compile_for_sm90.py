@@ -92,6 +92,8 @@ def main(groups: list[str]) -> None:
                 int8_matmul(x, torch.zeros(1024, 4096, dtype=torch.int8), torch.ones(1024, dtype=dtype))
                 group = torch.ones(32, 1024, dtype=dtype)
                 int4_matmul(x, torch.zeros(512, 1024, dtype=i32), group, group, 128)
+                gguf_group = torch.ones(128, 1024, dtype=torch.float16)  # Q4_1 kept as int4: 32-wide, mins form
+                int4_matmul(x, torch.zeros(512, 1024, dtype=i32), gguf_group, None, 32, mins=gguf_group)
 
 
 if __name__ == "__main__":

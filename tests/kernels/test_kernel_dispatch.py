@@ -31,6 +31,9 @@ def test_quantized_linears_on_cpu_match_the_references() -> None:
     scales, zeros = torch.rand(2, 24, generator=gen) * 0.02, torch.rand(2, 24, generator=gen) * 15
     want4 = int4_matmul_ref(x.view(6, 64), qweight, scales, zeros, 32).view(2, 3, 24) + bias
     close(dispatch.int4_linear(x, qweight, scales, zeros, 32, bias), want4, (1e-5, 1e-5))
+    mins = (torch.randn(2, 24, generator=gen) * 0.05).half()  # the mins form, fp16 as in a GGUF file
+    want_min = int4_matmul_ref(x.view(6, 64), qweight, scales.half(), None, 32, mins=mins).view(2, 3, 24) + bias
+    close(dispatch.int4_linear(x, qweight, scales.half(), None, 32, bias, mins=mins), want_min, (1e-5, 1e-5))
 
 
 def test_rms_norm_dispatch_matches_the_engine_layer_on_cpu() -> None:

@@ -83,3 +83,33 @@ def test_int4_reference_matches_float64(dtype: torch.dtype, device) -> None:
     w = (q.double() - zeros.double().cpu()[groups]) * scales.double().cpu()[groups]
     want = (x.double().cpu()[:, :, None] * w[None, :, :]).sum(1)
     _close_rel(int4_matmul_ref(x, qweight, scales, zeros, group_size).cpu(), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", INT4_SHAPES, ids=str)
+def test_int4_kernel_with_mins_matches_reference(shape, dtype: torch.dtype, device) -> None:
+    """The mins form (W = q * s + m, llama.cpp's Q4_1): float16 scales/mins as a GGUF file stores them."""
+    from tidepool.kernels.int4_matmul import int4_matmul, int4_matmul_ref
+
+    x, _, qweight, scales, _ = _int4_inputs(*shape, dtype, device)
+    gen = torch.Generator().manual_seed(11)
+    mins = (torch.randn(scales.shape, generator=gen) * 0.05).half().to(device)
+    scales = scales.half()
+    got = int4_matmul(x, qweight, scales, None, shape[3], mins=mins)
+    assert got.dtype == dtype and got.shape == (shape[0], shape[2])
+    _close_rel(got, int4_matmul_ref(x, qweight, scales, None, shape[3], mins=mins), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int4_mins_reference_matches_float64(dtype: torch.dtype, device) -> None:
+    from tidepool.kernels.int4_matmul import int4_matmul_ref
+
+    group_size = 32
+    x, q, qweight, scales, _ = _int4_inputs(3, 64, 24, group_size, dtype, device)
+    mins = torch.randn(scales.shape, generator=torch.Generator().manual_seed(3)).to(dtype).to(device) * 0.1
+    groups = torch.arange(64) // group_size
+    w = q.double() * scales.double().cpu()[groups] + mins.double().cpu()[groups]
+    want = (x.double().cpu()[:, :, None] * w[None, :, :]).sum(1)
+    _close_rel(int4_matmul_ref(x, qweight, scales, None, group_size, mins=mins).cpu(), want, dtype)
+    with pytest.raises(ValueError, match="exactly one of zeros"):
+        int4_matmul_ref(x, qweight, scales, mins, group_size, mins=mins)

