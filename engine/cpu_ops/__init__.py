@@ -1,6 +1,7 @@
 """Compiled CPU ops for the engine's hot path, built on first use and cached per machine.
 
-Today: paged attention that reads the KV cache in place (`paged_attention.py`, `csrc/`).
+Today: paged attention that reads the KV cache in place (`paged_attention.py` binds
+`paged_attention.cpp` and the headers beside it).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parent  # the .cpp/.h files ship beside the modules
 COMPILE_TIMEOUT_S = 600  # generous: a busy 2-core machine builds in seconds, CI must never flake on it
 # -ffp-contract=fast: a*b+c becomes one FMA (ISO modes turn contraction off); -fvisibility=hidden:
 # only the marked exports leave the library, so the helpers inline and nothing goes through the PLT.

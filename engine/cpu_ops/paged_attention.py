@@ -1,4 +1,4 @@
-"""Python binding of the compiled CPU paged-attention op (`csrc/paged_attention.cpp`).
+"""Python binding of the compiled CPU paged-attention op (`paged_attention.cpp`).
 
 `CpuPagedAttention(path)` loads a built library with ctypes and checks its ABI (version and the
 argument block's size) against `_Args`, which mirrors `TpAttentionArgs` field for field. A call

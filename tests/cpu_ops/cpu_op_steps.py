@@ -121,7 +121,10 @@ def torch_path_metadata(step: Step) -> AttentionMetadata:
     mask = backend.build_decode_mask(lens, width * block_size, step.window, torch.device("cpu")) if decodes else None
     return AttentionMetadata(
         slot_mapping=_slots(step.tables, step.seqs, block_size),
-        num_decode_seqs=len(decodes), decode_block_tables=padded, decode_mask=mask, prefills=chunks
+        num_decode_seqs=len(decodes),
+        decode_block_tables=padded,
+        decode_mask=mask,
+        prefills=chunks,
     )
 
 
