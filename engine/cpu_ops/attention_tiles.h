@@ -53,28 +53,28 @@ inline void score_tile(const float* qt, int rp, const float* k, int64_t stride, 
     for (int v = 0; v < NV; ++v) store(s + j * rp + v * W, acc[j][v]);
 }
 
+// score_tile<J, NV> for the runtime key count n < JB (the end of a chunk).
+template <int NV, int J>
+inline void score_rest(int n, const float* qt, int rp, const float* k, int64_t stride, int dim, float* s) {
+  if constexpr (J > 0) {
+    if (n == J)
+      score_tile<J, NV>(qt, rp, k, stride, dim, s);
+    else
+      score_rest<NV, J - 1>(n, qt, rp, k, stride, dim, s);
+  }
+}
+
 template <int NV>
 inline void score_rows(const float* qt, int rp, const float* k, int64_t stride, int nk, int dim, float* s,
                        const Prefetch* pf) {
+  constexpr int JB = NV == 2 ? 6 : 8;  // JB * NV accumulators + NV query vectors + a broadcast: <= 16 registers
   int j = 0;
-  for (; j + 4 <= nk; j += 4) {
-    if (pf) pf->rows(j, j + 4);
-    score_tile<4, NV>(qt, rp, k + j * stride, stride, dim, s + j * rp);
+  for (; j + JB <= nk; j += JB) {
+    if (pf) pf->rows(j, j + JB);
+    score_tile<JB, NV>(qt, rp, k + j * stride, stride, dim, s + j * rp);
   }
   if (pf) pf->rows(j, pf->num_rows);
-  switch (nk - j) {
-    case 3:
-      score_tile<3, NV>(qt, rp, k + j * stride, stride, dim, s + j * rp);
-      break;
-    case 2:
-      score_tile<2, NV>(qt, rp, k + j * stride, stride, dim, s + j * rp);
-      break;
-    case 1:
-      score_tile<1, NV>(qt, rp, k + j * stride, stride, dim, s + j * rp);
-      break;
-    default:
-      break;
-  }
+  score_rest<NV, JB - 1>(nk - j, qt, rp, k + j * stride, stride, dim, s + j * rp);
 }
 
 inline void scores(const float* qt, int rp, const float* k, int64_t stride, int nk, int dim, float* s,
@@ -206,23 +206,24 @@ inline void value_rows(float* o, int dim, const float* alpha, const float* p, in
   }
 }
 
+// value_rows<R> for the runtime row count n < RB (the last rows of a tile).
+template <int R>
+inline void value_rest(int n, float* o, int dim, const float* alpha, const float* p, int rp, const float* v,
+                       int64_t stride, int nk) {
+  if constexpr (R > 0) {
+    if (n == R)
+      value_rows<R>(o, dim, alpha, p, rp, v, stride, nk);
+    else
+      value_rest<R - 1>(n, o, dim, alpha, p, rp, v, stride, nk);
+  }
+}
+
 inline void accumulate(float* o, int dim, const float* alpha, const float* p, int rp, const float* v, int64_t stride,
                        int nk, int rows) {
+  constexpr int RB = 6;  // 6 rows x 2 vectors of accumulators + 2 value vectors + a broadcast: 15 registers
   int r = 0;
-  for (; r + 4 <= rows; r += 4) value_rows<4>(o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
-  switch (rows - r) {
-    case 3:
-      value_rows<3>(o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
-      break;
-    case 2:
-      value_rows<2>(o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
-      break;
-    case 1:
-      value_rows<1>(o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
-      break;
-    default:
-      break;
-  }
+  for (; r + RB <= rows; r += RB) value_rows<RB>(o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
+  value_rest<RB - 1>(rows - r, o + r * dim, dim, alpha + r, p + r, rp, v, stride, nk);
 }
 
 }  // namespace tidepool
