@@ -16,6 +16,7 @@
 // runtime torch itself loaded, so this region and torch's ops share one thread pool.
 #include <algorithm>
 #include <atomic>
+#include <new>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -182,10 +183,14 @@ void run_merge(const Args& a, const Merge& mg, const float* parts, Scratch& sc) 
 template <typename T>
 void run(const Args& a, const Plan& p, float* parts) {
   const int num_threads = std::max(1, std::min<int>(a.num_threads, int(p.items.size())));
-  std::atomic<size_t> next_item{0}, next_merge{0};
+  // Allocated here, where a failure can still be reported: nothing inside the region allocates.
+  std::vector<Scratch> scratch;
+  scratch.reserve(num_threads);
+  for (int t = 0; t < num_threads; ++t) scratch.emplace_back(a.head_dim, p.state_rows);
+  std::atomic<size_t> next_scratch{0}, next_item{0}, next_merge{0};
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
-    Scratch sc(a.head_dim, p.state_rows);
+    Scratch& sc = scratch[next_scratch.fetch_add(1, std::memory_order_relaxed)];
     for (size_t i; (i = next_item.fetch_add(1, std::memory_order_relaxed)) < p.items.size();)
       run_item<T>(a, p.items[i], sc, parts);
     if (!p.merges.empty()) {
@@ -221,28 +226,33 @@ TP_EXPORT int tp_supports_dtype(int32_t dtype) {
   return dtype == 0 || dtype == 1 || (dtype == 2 && TIDEPOOL_HAS_F16);
 }
 
-// Returns 0, or an Error code (nothing written) for arguments that do not describe a valid step.
+// Returns 0, or an Error code (out untouched) for arguments that do not describe a valid step or when
+// the working memory cannot be allocated.
 TP_EXPORT int tp_paged_attention(const TpAttentionArgs* args) {
   using namespace tidepool;
   const TpAttentionArgs& a = *args;
   if (!tp_supports_dtype(a.dtype)) return BAD_DTYPE;
   if (const int err = validate(a)) return err;
-  const Plan p = plan(a);
-  std::vector<float> parts(static_cast<size_t>(p.parts_size));
-  switch (a.dtype) {
-    case 0:
-      run<float>(a, p, parts.data());
-      break;
-    case 1:
-      run<bf16>(a, p, parts.data());
-      break;
+  try {  // no C++ exception may cross the C boundary
+    const Plan p = plan(a);
+    std::vector<float> parts(static_cast<size_t>(p.parts_size));
+    switch (a.dtype) {
+      case 0:
+        run<float>(a, p, parts.data());
+        break;
+      case 1:
+        run<bf16>(a, p, parts.data());
+        break;
 #if TIDEPOOL_HAS_F16
-    case 2:
-      run<f16>(a, p, parts.data());
-      break;
+      case 2:
+        run<f16>(a, p, parts.data());
+        break;
 #endif
-    default:
-      return BAD_DTYPE;
+      default:
+        return BAD_DTYPE;
+    }
+  } catch (const std::bad_alloc&) {
+    return OUT_OF_MEMORY;
   }
   return OK;
 }

@@ -26,6 +26,7 @@ _ERRORS = {
     3: "a block table is shorter than its sequence needs",
     4: "a block table holds a block id outside the cache",
     5: "dtype not supported by this build",
+    6: "out of memory for the working buffers",
 }
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32

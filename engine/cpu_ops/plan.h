@@ -43,7 +43,15 @@ constexpr int KEY_CHUNK = 16;        // keys per softmax update (never crossing 
 constexpr int MAX_ROWS = 32;         // query rows per KV head in a wide tile (a multiple of W)
 constexpr int MIN_SPLIT_KEYS = 256;  // a split of a long context never scores fewer keys than this
 
-enum Error { OK = 0, BAD_SHAPE = 1, BAD_QUERY_OFFSETS = 2, SHORT_BLOCK_TABLE = 3, BAD_BLOCK_ID = 4, BAD_DTYPE = 5 };
+enum Error {
+  OK = 0,
+  BAD_SHAPE = 1,
+  BAD_QUERY_OFFSETS = 2,
+  SHORT_BLOCK_TABLE = 3,
+  BAD_BLOCK_ID = 4,
+  BAD_DTYPE = 5,
+  OUT_OF_MEMORY = 6,
+};
 
 struct Item {
   int32_t seq, kv0, num_kv, head0, num_heads, tok0, num_tok, key0, key1;
