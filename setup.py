@@ -19,4 +19,6 @@ for package, folder in ROOTS.items():
         packages.append(f"{package}.{sub}")
         package_dir[f"{package}.{sub}"] = f"{folder}/{sub.replace('.', '/')}"
 
-setup(packages=packages, package_dir=package_dir, package_data={"tidepool.engine": ["py.typed"]})
+# The CPU ops are compiled on the target machine from their C++ sources, so the sources ship.
+package_data = {"tidepool.engine": ["py.typed"], "tidepool.engine.cpu_ops": ["*.cpp", "*.h"]}
+setup(packages=packages, package_dir=package_dir, package_data=package_data)

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
-from .layers.attention_backend import attach_kernel_views, build_decode_mask, build_prefill_mask
+from .layers.attention_backend import (
+    attach_kernel_views,
+    build_decode_mask,
+    build_prefill_mask,
+    cpu_kernel_available,
+)
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
 from .models.llama import LlamaForCausalLM
 from .sampler import Sampler
@@ -38,6 +43,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
+        self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (
@@ -98,10 +105,10 @@ class ModelRunner:
         decode_mask = None
         max_blocks = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        if decode_tables:
+        if decode_tables and not self.cpu_kernel:
             decode_mask = build_decode_mask(decode_lens, max_blocks * bs, window, self.device)
         scratch = None
-        if decode_tables and self.device.type == "cpu":
+        if decode_tables and self.device.type == "cpu" and not self.cpu_kernel:
             shape = (len(padded) * max_blocks, *self.kv_caches[0][0].shape[1:])
             dtype = self.config.torch_dtype
             scratch = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
@@ -115,7 +122,7 @@ class ModelRunner:
             decode_kv_scratch=scratch,
             prefills=prefills,
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.cpu_kernel:
             attach_kernel_views(
                 meta,
                 decode_tables + prefill_tables,
@@ -174,7 +181,7 @@ class ModelRunner:
                 )
             ],
         )
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.cpu_kernel:
             attach_kernel_views(meta, [list(range(num_blocks))], [num_tokens], [num_tokens], self.config.sliding_window)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch, meta)

@@ -8,10 +8,17 @@ implementation ran.
   `tidepool.kernels.dispatch`: `store_kv`, paged decode for the decode rows (split-K when the
   batch is small), and one varlen flash-attention launch for all prefill chunks, reading
   cached prefix and new tokens from the paged cache.
-- Elsewhere, torch's scaled_dot_product_attention: decodes are batched by gathering each
-  sequence's blocks (padded to the longest, masked); prefill chunks go one by one, attending
-  to the cached prefix plus the chunk, causally aligned to the end of the sequence. GQA/MQA
-  via `enable_gqa`.
+- CPU tensors with the kernel views, when the compiled CPU op is available
+  (`tidepool.engine.cpu_ops`, switched by TIDEPOOL_CPU_ATTENTION): one call for the whole step,
+  decodes and prefill chunks alike, reading each sequence's blocks in place (no gather, no
+  padding; the query heads of a KV head share each K/V read). The runner attaches the views on
+  the CPU only when `cpu_kernel_available()`, and then skips the torch path's decode mask and
+  scratch.
+- Otherwise (the reference and fallback), torch's scaled_dot_product_attention: decodes are
+  batched by gathering each sequence's blocks (padded to the longest, masked); prefill chunks go
+  one by one, attending to the cached prefix plus the chunk, causally aligned to the end of the
+  sequence. GQA/MQA via `enable_gqa`. Given views without a decode mask (a worker whose op
+  failed to load while rank 0's did), it builds the mask from the views.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ...kernels import dispatch
+from .. import cpu_ops
 from .attention_metadata import AttentionMetadata
 
 MAX_KERNEL_HEAD_DIM = 256  # the Triton kernels hold a head row in registers; larger heads take the SDPA path
@@ -31,6 +39,11 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     dispatch.store_kv(k, v, k_cache, v_cache, slots)
+
+
+def cpu_kernel_available() -> bool:
+    """Whether CPU steps take the compiled op (decided once per process; may build it, logs which path)."""
+    return cpu_ops.paged_attention_op() is not None
 
 
 def paged_attention(
@@ -46,6 +59,13 @@ def paged_attention(
     has_views = meta.block_tables is not None and meta.seq_lens is not None and meta.cu_seqlens_q is not None
     if q.is_cuda and has_views and q.shape[-1] <= MAX_KERNEL_HEAD_DIM:
         return _paged_attention_triton(q, k, v, k_cache, v_cache, meta, scale)
+    if has_views and not q.is_cuda:
+        op = cpu_ops.paged_attention_op()
+        if op is not None and op.supports(q, k_cache):
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = torch.empty(q.shape, dtype=q.dtype)
+            views = (meta.block_tables, meta.seq_lens, meta.cu_seqlens_q)
+            return op(q, k_cache, v_cache, *views, scale, meta.sliding_window, out=out)
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     num_decode = meta.num_decode_seqs
@@ -123,9 +143,11 @@ def _decode(
         torch.index_select(k_cache, 0, flat, out=keys)
         torch.index_select(v_cache, 0, flat, out=values)
     keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
-    attn = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )
+    mask = meta.decode_mask
+    if mask is None and meta.seq_lens is not None:
+        lens = meta.seq_lens[:num_seqs].tolist()
+        mask = build_decode_mask(lens, shape[1], meta.sliding_window, q.device)
+    attn = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return attn.squeeze(2)
 
 

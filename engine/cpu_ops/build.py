@@ -1,0 +1,203 @@
+"""Compile a CPU op's C++ source once per machine and cache the shared library outside the clone.
+
+Cache: `$TIDEPOOL_CACHE/cpu_ops/<name>-<key>.so` (default ~/.cache/tidepool). The key is a hash of
+everything that makes a library valid for this process: the source files, torch's version, the
+compiler (resolved path and `--version`), the flags, the CPU (the code is built with
+`-march=native`, so a cache shared by different CPUs gets one library per CPU) and the OpenMP
+runtime linked. Invariants:
+
+- A library is built at most once per key: builders take an exclusive `flock` on `<name>-<key>.lock`
+  and re-check for the library after acquiring it, so concurrent processes (TP/PP workers,
+  parallel tests) wait for the first one instead of building again.
+- Nobody ever loads a half-written library: it is compiled in a temporary directory beside the
+  cache entry and renamed into place (atomic on one filesystem).
+- OpenMP: the library is linked against the runtime torch itself loaded (found in
+  /proc/self/maps), never the system's, so its parallel regions use torch's thread pool instead
+  of starting a second pool that would fight torch's spinning threads for the cores. Without an
+  OpenMP runtime in torch the library is built single-threaded.
+- A failed build leaves `<name>-<key>.log` (the commands and the compiler's output); while it is
+  there that recipe is not tried again (so every process start does not pay for a doomed compile),
+  and the next recipe is: native flags without OpenMP, then portable flags. Delete the log to retry.
+- The compiler is `$CXX` when set (a missing `$CXX` is an error, not a reason to guess another),
+  else the first of c++, g++, clang++ on PATH.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent  # the .cpp/.h files ship beside the modules
+COMPILE_TIMEOUT_S = 600  # generous: a busy 2-core machine builds in seconds, CI must never flake on it
+# -ffp-contract=fast: a*b+c becomes one FMA (ISO modes turn contraction off); -fvisibility=hidden:
+# only the marked exports leave the library, so the helpers inline and nothing goes through the PLT.
+_BASE_FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-fvisibility=hidden", "-Wall")
+_OMP_LIB = re.compile(r"/lib(gomp|iomp5|omp)[^/]*\.so[.0-9]*$")
+
+
+class BuildUnavailable(RuntimeError):
+    """The op cannot be built here (no compiler, or the compiler failed); the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltLibrary:
+    path: Path
+    built_now: bool  # False: an earlier build (this or another process) was reused
+    has_openmp: bool
+    flags: tuple[str, ...]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TIDEPOOL_CACHE", "~/.cache/tidepool")).expanduser() / "cpu_ops"
+
+
+def find_compiler() -> str:
+    """Absolute path of the C++ compiler to use, or BuildUnavailable saying why there is none."""
+    requested = os.environ.get("CXX")
+    if requested:
+        found = shutil.which(requested)
+        if found is None:
+            raise BuildUnavailable(f"no C++ compiler: CXX={requested} not found")
+        return found
+    for candidate in ("c++", "g++", "clang++"):
+        found = shutil.which(candidate)
+        if found is not None:
+            return found
+    raise BuildUnavailable("no C++ compiler: none of c++, g++, clang++ on PATH and CXX unset")
+
+
+def torch_openmp_runtime() -> Path | None:
+    """The OpenMP library torch loaded into this process, when torch parallelises with OpenMP."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode[, path]
+        if len(fields) == 6 and _OMP_LIB.search(fields[5]) and Path(fields[5]).is_file():
+            return Path(fields[5])
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    lines = {line.split(":", 1)[0].strip(): line for line in info.splitlines() if ":" in line}
+    return "\n".join(lines[k] for k in wanted if k in lines) or platform.machine()
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BuildUnavailable(f"C++ compiler {cxx} does not run: {err}") from err
+    if proc.returncode != 0:
+        raise BuildUnavailable(f"C++ compiler {cxx} does not run: {proc.stderr.strip()[:200]}")
+    return proc.stdout.splitlines()[0] if proc.stdout else ""
+
+
+def _run(cmd: list[str], log: list[str]) -> bool:
+    log.append("$ " + " ".join(cmd))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.append(str(err))
+        return False
+    log.extend(s for s in (proc.stdout, proc.stderr) if s)
+    return proc.returncode == 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Recipe:
+    cxx: str
+    sources: tuple[Path, ...]  # the first is compiled; the others are headers it includes
+    compile_flags: tuple[str, ...]
+    link_inputs: tuple[str, ...]
+
+    def key(self, cxx_version: str, cpu: str) -> str:
+        digest = hashlib.sha256()
+        for part in (torch.__version__, self.cxx, cxx_version, cpu, *self.compile_flags, *self.link_inputs):
+            digest.update(part.encode() + b"\0")
+        for source in self.sources:
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+        return digest.hexdigest()[:20]
+
+    def build(self, target: Path, log: list[str]) -> bool:
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.stem}-") as tmp:
+            obj, lib = Path(tmp) / "op.o", Path(tmp) / "op.so"
+            ok = _run([self.cxx, *self.compile_flags, "-c", str(self.sources[0]), "-o", str(obj)], log)
+            # Linked without -fopenmp so the driver adds no system libgomp: the runtime is link_inputs'.
+            ok = ok and _run([self.cxx, "-shared", str(obj), "-o", str(lib), "-Wl,-z,defs", *self.link_inputs], log)
+            if ok:
+                os.replace(lib, target)
+            return ok
+
+
+def _recipes(cxx: str, sources: tuple[Path, ...], omp: Path | None) -> list[tuple[_Recipe, bool]]:
+    """Builds to try in order: tuned for this CPU with torch's OpenMP, then portable and serial."""
+    native = (*_BASE_FLAGS, "-march=native")
+    recipes: list[tuple[_Recipe, bool]] = []
+    if omp is not None:
+        link = (str(omp), f"-Wl,-rpath,{omp.parent}")
+        recipes.append((_Recipe(cxx, sources, (*native, "-fopenmp"), link), True))
+    recipes.append((_Recipe(cxx, sources, native, ()), False))
+    recipes.append((_Recipe(cxx, sources, _BASE_FLAGS, ()), False))
+    return recipes
+
+
+def build_library(name: str, source: str) -> BuiltLibrary:
+    """Return the cached library for `SOURCE_DIR/source` (and the headers beside it), building it if needed."""
+    cxx = find_compiler()
+    cxx_version = _compiler_version(cxx)
+    cpu = _cpu_identity()
+    if not (SOURCE_DIR / source).is_file():
+        raise BuildUnavailable(f"C++ source missing from the installed package: {SOURCE_DIR / source}")
+    sources = (SOURCE_DIR / source, *sorted(SOURCE_DIR.glob("*.h")))
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    failures: list[Path] = []
+    for recipe, has_openmp in _recipes(cxx, sources, torch_openmp_runtime()):
+        target = root / f"{name}-{recipe.key(cxx_version, cpu)}.so"
+        built_now = _obtain(recipe, target)
+        if built_now is None:
+            failures.append(target.with_suffix(".log"))
+            continue
+        return BuiltLibrary(target, built_now, has_openmp, recipe.compile_flags)
+    logs = ", ".join(map(str, failures))
+    raise BuildUnavailable(f"the C++ build failed with {cxx}; compiler output in {logs} (delete to retry)")
+
+
+def _obtain(recipe: _Recipe, target: Path) -> bool | None:
+    """True: built now; False: already built; None: this recipe failed (now or in an earlier run)."""
+    log_path = target.with_suffix(".log")
+    if target.is_file():
+        return False
+    if log_path.is_file():
+        return None
+    with open(target.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if target.is_file():
+            return False  # another process built it while this one waited
+        if log_path.is_file():
+            return None
+        log: list[str] = []
+        if recipe.build(target, log):
+            return True
+        log_path.write_text("\n".join(log) + "\n")
+        return None
