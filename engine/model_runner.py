@@ -3,7 +3,8 @@
 It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
 head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
 slot mapping, block tables and masks once per step, runs the model, computes logits only
-for the sequences that sample this step, and hands those to the sampler.
+for the sequences that sample this step, and hands those to the sampler. On CPU it first
+stores the model's wide projections [in, out] (`layers.weight_layout`), once, at construction.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from .config import ModelConfig
 from .layers.attention_backend import attach_kernel_views, build_decode_mask, build_prefill_mask
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
+from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
 from .sampler import Sampler
 from .sched_output import ModelRunnerOutput, SchedulerOutput
@@ -38,6 +40,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        if device.type == "cpu" and isinstance(model, torch.nn.Module):
+            apply_weight_layout(model)  # per-shape [in, out] storage: faster single-token matmuls
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (
