@@ -39,8 +39,11 @@ def _burn(stop: mp.Event) -> None:  # type: ignore[valid-type]
             x += 1
 
 
-def _child(model: str, cpus: list[int], threads: int | None, context_len: int, steps: int, queue: mp.Queue) -> None:
+def _child(
+    model: str, cpus: list[int], threads: int | None, env: dict[str, str], context_len: int, steps: int, queue: mp.Queue
+) -> None:
     os.sched_setaffinity(0, set(cpus))  # before torch starts its thread pool
+    os.environ.update(env)  # e.g. OMP_WAIT_POLICY, read when OpenMP starts
     from tidepool.engine import LLM, SamplingParams
 
     llm = LLM(model, show_progress=False, max_model_len=context_len + steps + 8, num_threads=threads)
@@ -59,7 +62,14 @@ def _child(model: str, cpus: list[int], threads: int | None, context_len: int, s
 
 
 def run_decode(
-    model: str, cpus: list[int], threads: int | None, with_burner: bool, context_len: int, steps: int, label: str
+    model: str,
+    cpus: list[int],
+    threads: int | None,
+    with_burner: bool,
+    context_len: int,
+    steps: int,
+    label: str,
+    env: dict[str, str] | None = None,
 ) -> DecodeRun:
     ctx = mp.get_context("spawn")
     stop, burner = ctx.Event(), None
@@ -68,7 +78,7 @@ def run_decode(
         burner.start()
         time.sleep(0.5)  # let it reach full speed
     queue: mp.Queue = ctx.Queue()
-    child = ctx.Process(target=_child, args=(model, cpus, threads, context_len, steps, queue))
+    child = ctx.Process(target=_child, args=(model, cpus, threads, env or {}, context_len, steps, queue))
     try:
         child.start()
         step_s, used, reason = queue.get(timeout=1800)

@@ -161,3 +161,31 @@ def test_configure_applies_and_logs(monkeypatch: pytest.MonkeyPatch, caplog: pyt
         assert f"using 1 CPU threads: {ENV_NUM_THREADS}=1" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+def test_openmp_defaults_keep_a_users_choice_and_say_when_too_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tidepool.engine import threads
+
+    monkeypatch.setattr(threads, "_openmp_defaults_in_time", threads._openmp_defaults_in_time)  # restored after
+    env: dict[str, str] = {}
+    in_time = threads.set_openmp_defaults(env)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert in_time is False  # this test process imported torch first
+    assert "runtime's default" in threads.wait_policy_note(env)
+    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
+    threads.set_openmp_defaults(chosen)
+    assert chosen["OMP_WAIT_POLICY"] == "ACTIVE" and threads.wait_policy_note(chosen) == "OpenMP wait policy ACTIVE"
+
+
+def test_importing_the_engine_first_makes_waits_passive() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, tidepool.engine, torch; from tidepool.engine.threads import wait_policy_note; "
+        "print(os.environ['OMP_WAIT_POLICY'], wait_policy_note())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "PASSIVE OpenMP wait policy PASSIVE"
