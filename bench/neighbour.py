@@ -97,20 +97,23 @@ def run_decode(
 def measure(model: str, context_len: int = 128, steps: int = 32, rounds: int = 2) -> dict:
     """Quiet (all CPUs, engine's choice) vs beside a burner with a budget of all CPUs but one (engine's choice).
 
-    Also beside the burner with all CPUs' worth of threads forced: what the engine did before it
-    read its budget. Rounds alternate the scenarios so slow drifts of a shared machine hit all alike.
+    Also beside the burner with all CPUs' worth of threads, with the engine's sleeping OpenMP waits
+    and with spinning ones (OMP_WAIT_POLICY=ACTIVE: what the engine did before). Rounds alternate
+    the scenarios so slow drifts of a shared machine hit all alike.
     """
     cpus = sorted(os.sched_getaffinity(0))
     limited = cpus[: max(1, len(cpus) - 1)]
+    all_threads, spin = len(cpus), {"OMP_WAIT_POLICY": "ACTIVE"}
     scenarios = [
-        ("quiet", cpus, None, False),
-        (f"burner, CPU limit {len(limited)}", limited, None, True),
-        (f"burner, {len(cpus)} threads forced", cpus, len(cpus), True),
+        ("quiet", cpus, None, False, {}),
+        (f"burner, CPU limit {len(limited)}", limited, None, True, {}),
+        (f"burner, {all_threads} threads", cpus, all_threads, True, {}),
+        (f"burner, {all_threads} threads spinning", cpus, all_threads, True, spin),
     ]
     runs: list[DecodeRun] = []
     for _ in range(rounds):
-        for label, mask, threads, burn in scenarios:
-            runs.append(run_decode(model, mask, threads, burn, context_len, steps, label))
+        for label, mask, threads, burn, env in scenarios:
+            runs.append(run_decode(model, mask, threads, burn, context_len, steps, label, env))
     best = {label: min(r.step_s for r in runs if r.label == label) for label, *_ in scenarios}
     quiet = best["quiet"]
     return {

@@ -38,9 +38,15 @@ def _logits(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
-def test_rule_is_by_shape() -> None:
+def test_rule_is_by_shape_and_dtype() -> None:
     assert prefers_input_major(3072, 576) and prefers_input_major(49152, 576)
     assert not prefers_input_major(576, 576) and not prefers_input_major(576, 1536)
+    assert not prefers_input_major(3072, 576, torch.bfloat16) and not prefers_input_major(3072, 576, torch.float16)
+
+
+def test_low_precision_models_keep_out_in(tiny_model_dir: Path) -> None:
+    model, _ = load_model(tiny_model_dir, dtype=torch.bfloat16, show_progress=False)
+    assert apply_weight_layout(model).converted == []
 
 
 @pytest.mark.parametrize("variant", ["tiny", "llama-mqa-tied-llama3rope", "qwen2-tied"])

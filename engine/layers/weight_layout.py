@@ -9,10 +9,11 @@ nothing different, but ``F.linear`` now multiplies ``x @ W_in_out`` and the BLAS
 weight row by row, accumulating a vector of ``out`` values, instead of taking ``out`` short
 dot products over ``in``.
 
-Rule (measured on the development CPU with MKL, bench/README.md "Weight layout"): at one token
-``[in, out]`` is 1.5-1.9x faster when ``out > in`` (fused q/k/v, fused gate/up, the LM head)
-and 0.65-0.75x when ``out <= in`` (o_proj, down_proj); from 4 tokens up both layouts are within
-noise of each other, so one layout serves prefill and decode alike.
+Rule (measured on the development CPU with MKL, bench/README.md "Weight layout"): in float32, at
+one token ``[in, out]`` is 1.5-1.9x faster when ``out > in`` (fused q/k/v, fused gate/up, the LM
+head) and 0.65-0.75x when ``out <= in`` (o_proj, down_proj); from 4 tokens up both layouts are
+within noise of each other, so one layout serves prefill and decode alike. In bfloat16/float16
+torch's CPU kernels are ~10x slower on ``[in, out]``, so those weights keep ``[out, in]``.
 
 Invariants:
 - Only dense floating-point ``nn.Parameter``s with the projection names below change; quantized
@@ -40,9 +41,9 @@ PROJECTION_NAMES = frozenset({"qkv_weight", "o_weight", "gate_up_weight", "down_
 TIED_TABLE_NAME = "embed_tokens"
 
 
-def prefers_input_major(out_features: int, in_features: int) -> bool:
+def prefers_input_major(out_features: int, in_features: int, dtype: torch.dtype = torch.float32) -> bool:
     """True when ``[in, out]`` storage is the faster GEMV on CPU (see the module docstring)."""
-    return out_features > in_features
+    return dtype == torch.float32 and out_features > in_features
 
 
 def is_input_major(weight: torch.Tensor) -> bool:
@@ -81,7 +82,7 @@ def apply_weight_layout(model: nn.Module) -> LayoutReport:
                 continue
             if param.dim() != 2 or not param.is_floating_point() or param.device.type != "cpu":
                 continue
-            if is_input_major(param) or not prefers_input_major(*param.shape):
+            if is_input_major(param) or not prefers_input_major(*param.shape, param.dtype):
                 continue
             new = nn.Parameter(param.data.t().contiguous().t(), requires_grad=False)
             replaced[id(param)] = new
