@@ -25,6 +25,7 @@ from .layers.attention_backend import attach_kernel_views, build_decode_mask, bu
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
 from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
+from .request import Request
 from .sampler import Sampler
 from .sched_output import ModelRunnerOutput, SchedulerOutput
 
@@ -211,10 +212,10 @@ class ModelRunner:
     def _to_device(self, values: list[int]) -> torch.Tensor:
         """int64 tensor on the device; on CUDA through pinned memory with a non-blocking copy (no sync)."""
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long)
+            return torch.tensor(values, dtype=torch.long, device=self.device)
         return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
 
-    def _graph_batch(self, sched_out: SchedulerOutput) -> tuple[DecodeBatch, list] | None:
+    def _graph_batch(self, sched_out: SchedulerOutput) -> tuple[DecodeBatch, list[Request]] | None:
         """The step as a `DecodeBatch` when it is decode-only (one new token, sampled, no proposals) and fits."""
         scheduled = sched_out.scheduled
         if self.graphs is None or self.graphs.bucket_for(len(scheduled)) is None:
@@ -233,7 +234,7 @@ class ModelRunner:
             batch.block_tables.append(blocks[: -(-(pos + 1) // bs)])
         return batch, [seq.request for seq in scheduled]
 
-    def _execute_graph(self, batch: DecodeBatch, requests: list) -> ModelRunnerOutput:
+    def _execute_graph(self, batch: DecodeBatch, requests: list[Request]) -> ModelRunnerOutput:
         logits = self.graphs.run(batch)
         tokens, logprobs = self.sampler.sample(logits, requests)
         out = ModelRunnerOutput()
