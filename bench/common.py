@@ -1,8 +1,10 @@
 """Shared pieces of the benchmarks: cached benchmark models, seeded workloads, memory bandwidth, MBU.
 
 MBU (model bandwidth utilisation) = bytes a decode step must read (weights + KV cache) /
-step time / peak bandwidth, where the peak is the copy bandwidth measured in the same run
-(read + write bytes of a buffer far larger than the last-level cache).
+step time / read bandwidth, where the read bandwidth is a streaming read (a sum) of a buffer far
+larger than the last-level cache, measured in the same run with the same thread count
+(`read_bandwidth`). `copy_bandwidth` (read + write, STREAM's copy) is kept for reference only:
+a decode step reads its weights, it does not copy them.
 """
 
 from __future__ import annotations
@@ -68,6 +70,18 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * num_bytes / best
 
 
+def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best-of-N streaming read bandwidth in bytes/s (torch.sum over `num_bytes` of float32, torch's threads)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()  # fault the pages in and warm the thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
 def decode_bytes_per_step(model: torch.nn.Module, config: Any, context_len: int) -> int:
     """Bytes one bs=1 decode step reads: weights + the KV cache at `context_len`.
 
@@ -81,5 +95,8 @@ def decode_bytes_per_step(model: torch.nn.Module, config: Any, context_len: int)
         if not config.tie_word_embeddings and "embed_tokens" in name:
             size = param.shape[1] * param.element_size()
         total += size
+    for name, buffer in model.named_buffers():  # quantized weights are buffers; the rotary table is not read whole
+        if "rotary" not in name:
+            total += buffer.numel() * buffer.element_size()
     element = next(model.parameters()).element_size()
     return total + 2 * config.num_hidden_layers * context_len * config.num_key_value_heads * head_dim * element

@@ -6,7 +6,8 @@ Timings (median of per-launch CUDA-event times, L2 flushed before each launch):
 - paged decode as % of the device-to-device copy bandwidth measured in the same run
   (bytes = the K/V rows the batch must read), batch 1-256, context 1k-32k;
 - int8 / int4 matmul vs bf16 ``torch.matmul`` at decode shapes (Llama-3-8B projections);
-- fused residual + RMSNorm vs the torch ops it replaces.
+- fused residual + RMSNorm vs the torch ops it replaces;
+- fused rotary (q and k in place, one launch) vs the torch ops it replaces.
 Prints one table, writes JSON to bench/results/gpu_kernels.json. Targets (H200) in the table.
 
     python bench/gpu_kernels.py            # on a CUDA machine (< 5 min on an H200)
@@ -128,6 +129,12 @@ def check_all(k, device: torch.device, smoke: bool) -> list[dict]:
         x, res = torch.randn(2, 33, 4096, dtype=dtype, device=device).unbind(0)
         w = torch.randn(4096, dtype=dtype, device=device)
         record("rms_norm", dtype, torch.stack(k.rms(x, w, 1e-5, res)), torch.stack(k.rms_ref(x, w, 1e-5, res)))
+        for head_dim in (64, 80, 128):
+            qkv, cos, sin = rotary_inputs(33, head_dim, dtype, device)
+            got, want = qkv.clone(), qkv.clone()
+            k.rotary(got[:, : (HQ + HKV) * head_dim].view(33, HQ + HKV, head_dim), cos, sin)
+            k.rotary_ref(want[:, : (HQ + HKV) * head_dim].view(33, HQ + HKV, head_dim), cos, sin)
+            record(f"rotary hd{head_dim}", dtype, got, want)
         for m in (1, 33):
             x = torch.randn(m, 4096, dtype=dtype, device=device)
             w8 = torch.randint(-127, 128, (1024, 4096), dtype=torch.int8, device=device)
@@ -138,6 +145,15 @@ def check_all(k, device: torch.device, smoke: bool) -> list[dict]:
             z4 = torch.rand(32, 1024, dtype=dtype, device=device) * 15
             record(f"int4_matmul m{m}", dtype, k.int4(x, qw, s4, z4, 128), k.int4_ref(x, qw, s4, z4, 128))
     return checks
+
+
+def rotary_inputs(num_tokens: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    """A fused qkv row per token (q, k, v heads of the Llama-3-8B shape) and cos / sign-folded sin rows."""
+    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * head_dim, dtype=dtype, device=device)
+    angles = torch.rand(num_tokens, head_dim // 2, device=device) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(dtype)
+    return qkv, cos, sin
 
 
 def bench_prefill(k, b: Bench, seqs: list[int]) -> list[dict]:
@@ -244,6 +260,34 @@ def bench_rms_norm(k, b: Bench, tokens: list[int]) -> list[dict]:
     return rows
 
 
+def torch_rotary(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    half = qk.shape[-1] // 2
+    rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+    qk.copy_(qk * cos + rotated * sin)
+
+
+def bench_rotary(k, b: Bench, tokens: list[int]) -> list[dict]:
+    """One in-place launch for q and k vs the torch form it replaces (neg, cat, two multiplies, add, copy back)."""
+    rows = []
+    for num_tokens in tokens:
+        qkv, cos, sin = rotary_inputs(num_tokens, HD, torch.bfloat16, b.device)
+        qk = qkv[:, : (HQ + HKV) * HD].view(num_tokens, HQ + HKV, HD)
+        unsigned = torch.cat((sin[:, HD // 2 :], sin[:, HD // 2 :]), dim=-1)  # Hugging Face's sin table
+        t = b.time_s(partial(k.rotary, qk, cos, sin))
+        base = b.time_s(partial(torch_rotary, qk, cos.unsqueeze(1), unsigned.unsqueeze(1)))
+        rows.append(
+            {
+                "bench": "fused rotary vs torch",
+                "shape": f"{num_tokens} tokens {HQ}+{HKV} heads hd{HD} bf16",
+                "ours": f"{t * 1e6:.1f} us",
+                "baseline": f"{base * 1e6:.1f} us",
+                "ratio": base / t,
+                "target": None,
+            }
+        )
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     header = ("bench", "shape", "ours", "baseline", "ratio", "target")
     cells = [header] + [
@@ -287,12 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = b.copy_bandwidth(1 << 20 if args.smoke else 2 << 30)
     if args.smoke:
         rows = bench_prefill(k, b, [64]) + bench_decode(k, b, [2], [128], copy_bw)
-        rows += bench_matmul(k, b, [1], [(256, 128)]) + bench_rms_norm(k, b, [4])
+        rows += bench_matmul(k, b, [1], [(256, 128)]) + bench_rms_norm(k, b, [4]) + bench_rotary(k, b, [4])
     else:
         rows = bench_prefill(k, b, [512, 1024, 2048, 4096, 8192])
         rows += bench_decode(k, b, [1, 8, 64, 256], [1024, 4096, 16384, 32768], copy_bw)
         rows += bench_matmul(k, b, [1, 16, 64], [(4096, 4096), (4096, 14336), (14336, 4096)])
-        rows += bench_rms_norm(k, b, [1, 64, 4096])
+        rows += bench_rms_norm(k, b, [1, 64, 4096]) + bench_rotary(k, b, [1, 64, 4096])
     print_table(rows)
     elapsed = time.perf_counter() - started
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s; total {elapsed:.0f} s")
@@ -321,6 +365,7 @@ def load_kernels() -> argparse.Namespace:
     from tidepool.kernels import int8_matmul as i8
     from tidepool.kernels import paged_attention_decode as pd
     from tidepool.kernels import rms_norm as rn
+    from tidepool.kernels import rotary as ro
     from tidepool.kernels import store_kv as sk
     from tidepool.kernels.int4_packing import pack_int4
 
@@ -333,6 +378,8 @@ def load_kernels() -> argparse.Namespace:
         store_kv_ref=sk.store_kv_ref,
         rms=rn.rms_norm,
         rms_ref=rn.rms_norm_ref,
+        rotary=ro.rotary_,
+        rotary_ref=ro.rotary_ref,
         int8=i8.int8_matmul,
         int8_ref=i8.int8_matmul_ref,
         int4=i4.int4_matmul,

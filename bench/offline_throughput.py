@@ -1,13 +1,23 @@
-"""Offline throughput: Tidepool vs transformers on the same model and seeded workload, in one run.
+"""Offline throughput: Tidepool vs transformers on the same model and seeded workloads, in one run.
 
-Workload (default): 200 requests, prompt 32–512 random tokens, output 16–256 tokens, ignore_eos.
-Tidepool gets every request at once (continuous batching decides). transformers is run the way
-its users batch: static batches of `--hf-batch-size` in arrival order, left-padded, each batch
-generating until its longest request is done; only the tokens each request asked for count.
-Also measured: bs=1 decode step time and MBU for both (see bench/common.py), and the copy
-bandwidth they are judged against. Prints a table, writes JSON and a PNG under bench/results/.
+Workloads (`--workloads`, all by default):
+- variable: 200 requests, prompts 32-512 random tokens, outputs 16-256 tokens, ignore_eos. Tidepool
+  gets every request at once (continuous batching decides); transformers runs static batches of
+  `--hf-batch-size` in arrival order, left-padded, each until its longest request is done (only the
+  tokens each request asked for count).
+- uniform: 64 requests of exactly 128 prompt + 128 new tokens; transformers gets them as one batch,
+  so padding gives it nothing to waste. Also the attention share of a batch-64 Tidepool decode step.
+- bs1: one sequence decoding at `--context-len` tokens of context: median step time and MBU for both,
+  MBU = (weight + KV bytes per step) / step time / read bandwidth, the bandwidth a streaming read of
+  1 GiB measured in this run with the same thread count (bench/common.py).
+- neighbour: Tidepool bs=1 decode quiet and beside one CPU burner process, with the thread count the
+  engine picks for a CPU limit of one CPU fewer (bench/neighbour.py).
 
-    python bench/offline_throughput.py                 # the full run reported in README.md
+`--model` is a Hugging Face folder or a GGUF file (converted once with transformers into a float32
+folder cached under $TIDEPOOL_CACHE/models, until Tidepool loads GGUF itself); without it the seeded
+random `--preset` model. Prints tables, writes JSON and a PNG under bench/results/.
+
+    python bench/offline_throughput.py --model /work/wt/models/SmolLM2-135M-Instruct.Q4_1.gguf
     python bench/offline_throughput.py --quick         # a smoke run on the tiny preset
 """
 
@@ -24,68 +34,99 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import WorkItem, bench_model, copy_bandwidth, decode_bytes_per_step, random_workload
+from common import WorkItem, bench_model, cache_dir, decode_bytes_per_step, random_workload, read_bandwidth
 
 RESULTS = Path(__file__).resolve().parent / "results"
+WORKLOADS = ("variable", "uniform", "bs1", "neighbour")
 
 
-def run_tidepool(model_dir: Path, work: list[WorkItem], args: argparse.Namespace) -> dict[str, float]:
-    from tidepool.engine import LLM, SamplingParams
+def resolve_model(args: argparse.Namespace) -> tuple[Path, str]:
+    if args.model is None:
+        return bench_model(args.arch, args.preset, args.seed), f"{args.arch} {args.preset} (random weights)"
+    path = Path(args.model)
+    if path.is_dir():
+        return path, path.name
+    if path.suffix != ".gguf" or not path.is_file():
+        raise SystemExit(f"--model {path}: expected a Hugging Face folder or a .gguf file")
+    folder = cache_dir() / "models" / f"{path.stem}-f32"
+    if not (folder / "config.json").is_file():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(
-        str(model_dir),
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        show_progress=False,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+        print(f"converting {path.name} to a float32 Hugging Face folder in {folder} (once)")
+        gguf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        config = gguf.config
+        config.__dict__.pop("quantization_config", None)  # dequantized: save as a plain float32 model
+        dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        dense.load_state_dict(gguf.state_dict())
+        dense.generation_config = gguf.generation_config
+        partial = folder.with_name(folder.name + ".partial")
+        dense.save_pretrained(partial)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(partial)
+        partial.rename(folder)
+    return folder, f"{path.name} (dequantized to float32)"
+
+
+# ---- Tidepool ---------------------------------------------------------------------------------
+def tidepool_generate(llm, work: list[WorkItem]) -> dict[str, float]:
+    from tidepool.engine import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=w.num_output_tokens, ignore_eos=True) for w in work]
-    llm.generate([work[0].prompt_token_ids], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate([w.prompt_token_ids for w in work], params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     if num_out != sum(w.num_output_tokens for w in work):
         raise RuntimeError("Tidepool produced a different number of tokens than requested")
-    step = tidepool_decode_step(llm, args.context_len, args.decode_steps)
-    nbytes = decode_bytes_per_step(llm.engine.model, llm.engine.model_config, args.context_len)
-    return {
-        "seconds": elapsed,
-        "output_tokens": num_out,
-        "tokens_per_s": num_out / elapsed,
-        "preemptions": llm.engine.scheduler.num_preemptions_total,
-        "bs1_step_s": step,
-        "bs1_bytes": nbytes,
-    }
+    return {"seconds": elapsed, "output_tokens": num_out, "tokens_per_s": num_out / elapsed}
 
 
-def tidepool_decode_step(llm, context_len: int, steps: int) -> float:
+def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: bool = False) -> dict[str, float]:
+    """Median decode step time with all `prompts` running (prefill excluded); optionally attention's share."""
     from tidepool.engine import SamplingParams
+    from tidepool.engine.models import llama
 
     engine = llm.engine
-    engine.add_request(
-        "bs1", list(range(3, 3 + context_len)), SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    )
-    engine.step()  # prefill
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
+        engine.step()  # prefill (chunked) until every sequence decodes
     engine.step()
-    times = []
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
+    attn_s = [0.0]
+    original = llama.paged_attention
+    if attention:
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            attn_s[0] += time.perf_counter() - start
+            return out
+
+        llama.paged_attention = timed
+    times, shares = [], []
+    try:
+        while engine.has_unfinished_requests():
+            attn_s[0] = 0.0
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            shares.append(attn_s[0] / times[-1])
+    finally:
+        llama.paged_attention = original
+    order = sorted(range(len(times)), key=times.__getitem__)
+    mid = order[len(order) // 2]
+    result = {"step_s": times[mid]}
+    if attention:
+        result["attention_share"] = sorted(shares)[len(shares) // 2]
+    return result
 
 
-def run_transformers(model_dir: Path, work: list[WorkItem], args: argparse.Namespace) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+# ---- transformers -------------------------------------------------------------------------------
+def hf_generate(model, work: list[WorkItem], batch_size: int) -> dict[str, float]:
     pad = 0
     start = time.perf_counter()
     num_useful = 0
-    batches = [work[i : i + args.hf_batch_size] for i in range(0, len(work), args.hf_batch_size)]
+    batches = [work[i : i + batch_size] for i in range(0, len(work), batch_size)]
     with torch.inference_mode():
         for batch in tqdm(batches, desc="transformers batches"):
             width = max(len(w.prompt_token_ids) for w in batch)
@@ -106,18 +147,10 @@ def run_transformers(model_dir: Path, work: list[WorkItem], args: argparse.Names
                 raise RuntimeError("transformers stopped early")
             num_useful += sum(w.num_output_tokens for w in batch)
     elapsed = time.perf_counter() - start
-    step = transformers_decode_step(model, args.context_len, args.decode_steps)
-    nbytes = decode_bytes_per_step(model, model.config, args.context_len)
-    return {
-        "seconds": elapsed,
-        "output_tokens": num_useful,
-        "tokens_per_s": num_useful / elapsed,
-        "bs1_step_s": step,
-        "bs1_bytes": nbytes,
-    }
+    return {"seconds": elapsed, "output_tokens": num_useful, "tokens_per_s": num_useful / elapsed}
 
 
-def transformers_decode_step(model, context_len: int, steps: int) -> float:
+def hf_decode_step(model, context_len: int, steps: int) -> float:
     with torch.inference_mode():
         out = model(torch.arange(3, 3 + context_len).unsqueeze(0), use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
@@ -131,89 +164,170 @@ def transformers_decode_step(model, context_len: int, steps: int) -> float:
     return times[len(times) // 2]
 
 
+# ---- report -------------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = ["transformers", "Tidepool"]
-    ax1.bar(names, [result["transformers"]["tokens_per_s"], result["tidepool"]["tokens_per_s"]], color=["#999", "#2a7"])
-    ax1.set_title(f"output tokens/s ({result['workload']['num_requests']} requests)")
-    ax2.bar(
-        names, [100 * result["transformers"]["bs1_mbu"], 100 * result["tidepool"]["bs1_mbu"]], color=["#999", "#2a7"]
-    )
-    ax2.set_title("bs=1 decode MBU (%)")
-    ax2.set_ylim(0, 100)
-    fig.suptitle(result["model"])
+    panels = [(k, v) for k, v in result["workloads"].items() if k in ("variable", "uniform", "bs1")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
+    for ax, (name, r) in zip(axes[0], panels, strict=True):
+        if name == "bs1":
+            ax.bar(
+                ["transformers", "Tidepool"],
+                [100 * r["transformers"]["mbu"], 100 * r["tidepool"]["mbu"]],
+                color=["#999", "#2a7"],
+            )
+            ax.set_title(f"bs=1 decode MBU % (read {r['read_bandwidth_GBps']:.0f} GB/s)")
+            ax.set_ylim(0, 100)
+        else:
+            ax.bar(
+                ["transformers", "Tidepool"],
+                [r["transformers"]["tokens_per_s"], r["tidepool"]["tokens_per_s"]],
+                color=["#999", "#2a7"],
+            )
+            ax.set_title(f"{name}: output tok/s ({r['ratio']:.2f}x)")
+    fig.suptitle(f"{result['model']}, {result['machine']['threads']} threads")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def print_tables(result: dict) -> None:
+    w = result["workloads"]
+    for name in ("variable", "uniform"):
+        if name in w:
+            r = w[name]
+            hf, tp = r["transformers"], r["tidepool"]
+            print(f"\n{name}: transformers {hf['tokens_per_s']:.1f} tok/s ({hf['seconds']:.0f} s), ")
+            print(f"  Tidepool {tp['tokens_per_s']:.1f} tok/s ({tp['seconds']:.0f} s): {r['ratio']:.2f}x transformers")
+    if "uniform" in w and "attention_share_b64" in w["uniform"]:
+        print(f"attention share of a batch-64 Tidepool decode step: {100 * w['uniform']['attention_share_b64']:.1f}%")
+    if "bs1" in w:
+        r = w["bs1"]
+        print(
+            f"\nbs=1 decode at {r['context_len']} tokens, read bandwidth {r['read_bandwidth_GBps']:.1f} GB/s "
+            f"({result['machine']['threads']} threads):"
+        )
+        for engine in ("transformers", "tidepool"):
+            e = r[engine]
+            mb, mbu = e["bytes"] / 1e6, 100 * e["mbu"]
+            print(f"  {engine:12s} step {1e3 * e['step_s']:7.2f} ms  {mb:7.1f} MB/step  MBU {mbu:5.1f}%")
+    if "neighbour" in w:
+        n = w["neighbour"]
+        print("\nbs=1 decode beside a CPU burner (fresh process each):")
+        for label, ratio in n["slowdown_vs_quiet"].items():
+            run = next(r for r in n["runs"] if r["label"] == label)
+            print(
+                f"  {label:30s} {1e3 * n['best_step_s'][label]:7.2f} ms/step  {ratio:5.2f}x quiet  "
+                f"({run['threads_used']} threads: {run['thread_reason']})"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: --preset)")
     parser.add_argument("--preset", default="smollm-135m")
     parser.add_argument("--arch", default="llama")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    parser.add_argument("--uniform", type=int, nargs=3, default=(64, 128, 128), help="requests, prompt, new tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--context-len", type=int, default=128, help="prompt length for the bs=1 decode timing")
+    parser.add_argument("--context-len", type=int, default=128, help="context of the bs=1 decode timing")
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="tiny preset, 8 requests: a smoke run")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's choice)")
+    parser.add_argument("--quick", action="store_true", help="tiny preset and small workloads: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if unknown := set(workloads) - set(WORKLOADS):
+        raise SystemExit(f"unknown workloads {sorted(unknown)}; choose from {WORKLOADS}")
     if args.quick:
         args.preset, args.num_requests, args.input_len, args.output_len = "tiny", 8, (8, 64), (4, 16)
-        args.decode_steps = 4
+        args.uniform, args.decode_steps = (8, 16, 8), 4
 
-    model_dir = bench_model(args.arch, args.preset, args.seed)
+    from transformers import AutoModelForCausalLM
+
+    from tidepool.engine import LLM
     from tidepool.engine.config import ModelConfig
 
+    model_dir, model_name = resolve_model(args)
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
-    work = random_workload(args.num_requests, args.seed, vocab, tuple(args.input_len), tuple(args.output_len))
-    bandwidth = copy_bandwidth((64 << 20) if args.quick else (1 << 30))
-    tidepool = run_tidepool(model_dir, work, args)
-    hf = run_transformers(model_dir, work, args)
-    for r in (tidepool, hf):
-        r["bs1_mbu"] = r["bs1_bytes"] / r["bs1_step_s"] / bandwidth
-    result = {
-        "model": f"{args.arch} {args.preset} ({args.dtype}, random weights)",
-        "workload": {
-            "num_requests": args.num_requests,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "seed": args.seed,
-            "hf_batch_size": args.hf_batch_size,
-        },
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
-        "copy_bandwidth_GBps": bandwidth / 1e9,
-        "tidepool": tidepool,
-        "transformers": hf,
-        "throughput_ratio": tidepool["tokens_per_s"] / hf["tokens_per_s"],
-    }
-    print()
-    print(f"| {'':14} | {'output tok/s':>12} | {'wall s':>8} | {'bs=1 step ms':>12} | {'bs=1 MBU':>8} |")
-    print(f"|{'-' * 16}|{'-' * 14}|{'-' * 10}|{'-' * 14}|{'-' * 10}|")
-    for name, r in (("transformers", hf), ("Tidepool", tidepool)):
-        print(
-            f"| {name:14} | {r['tokens_per_s']:12.1f} | {r['seconds']:8.1f} | {1e3 * r['bs1_step_s']:12.2f} | "
-            f"{100 * r['bs1_mbu']:7.1f}% |"
-        )
-    print(
-        f"\nthroughput ratio Tidepool / transformers: {result['throughput_ratio']:.2f}x; "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; Tidepool preemptions: {tidepool['preemptions']}"
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        show_progress=False,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.threads,
     )
+    threads = torch.get_num_threads()  # the engine's decision; transformers runs with the same
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    result: dict = {
+        "model": model_name,
+        "dtype": args.dtype,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": threads,
+            "thread_reason": llm.engine.threads.reason,
+        },
+        "workloads": {},
+    }
+    out = result["workloads"]
+    from tidepool.engine import SamplingParams
+
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    if "variable" in workloads:
+        work = random_workload(args.num_requests, args.seed, vocab, tuple(args.input_len), tuple(args.output_len))
+        tp, tr = tidepool_generate(llm, work), hf_generate(hf, work, args.hf_batch_size)
+        out["variable"] = {
+            **{"num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len},
+            **{"hf_batch_size": args.hf_batch_size, "tidepool": tp, "transformers": tr},
+            "ratio": tp["tokens_per_s"] / tr["tokens_per_s"],
+        }
+    if "uniform" in workloads:
+        n, prompt_len, new = args.uniform
+        work = random_workload(n, args.seed + 1, vocab, (prompt_len, prompt_len), (new, new))
+        tp, tr = tidepool_generate(llm, work), hf_generate(hf, work, n)
+        step = tidepool_decode_steps(llm, [w.prompt_token_ids for w in work], 8, attention=True)
+        out["uniform"] = {
+            **{"num_requests": n, "prompt_len": prompt_len, "new_tokens": new, "tidepool": tp, "transformers": tr},
+            "ratio": tp["tokens_per_s"] / tr["tokens_per_s"],
+            **{"tidepool_b64_step_s": step["step_s"], "attention_share_b64": step["attention_share"]},
+        }
+    if "bs1" in workloads:
+        bandwidth = read_bandwidth((64 << 20) if args.quick else (1 << 30))
+        prompt = [list(range(3, 3 + args.context_len))]
+        tp_step = tidepool_decode_steps(llm, prompt, args.decode_steps)["step_s"]
+        hf_step = hf_decode_step(hf, args.context_len, args.decode_steps)
+        entry = {"context_len": args.context_len, "read_bandwidth_GBps": bandwidth / 1e9}
+        for name, model, config, step_s in (
+            ("tidepool", llm.engine.model, llm.engine.model_config, tp_step),
+            ("transformers", hf, hf.config, hf_step),
+        ):
+            nbytes = decode_bytes_per_step(model, config, args.context_len)
+            entry[name] = {"step_s": step_s, "bytes": nbytes, "mbu": nbytes / step_s / bandwidth}
+        out["bs1"] = entry
+    if "neighbour" in workloads:
+        from neighbour import measure
+
+        del llm, hf  # the child processes load their own
+        out["neighbour"] = measure(str(model_dir), args.context_len, args.decode_steps, rounds=1 if args.quick else 2)
+    print_tables(result)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"offline_throughput_{args.arch}_{args.preset}"
+    stem = "offline_throughput_" + (Path(args.model).stem if args.model else f"{args.arch}_{args.preset}")
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(result, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.json and .png")
+    if any(k in out for k in ("variable", "uniform", "bs1")):
+        plot(result, args.out / f"{stem}.png")
+    print(f"\nwrote {args.out / stem}.json" + (" and .png" if out else ""))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .threads import set_openmp_defaults
+
+set_openmp_defaults()  # before anything in the engine loads torch (and with it the OpenMP runtime)
+
 if TYPE_CHECKING:
     from .llm import LLM
     from .outputs import CompletionOutput, RequestOutput

@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     seed: int = 0
     show_progress: bool = True
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU threads for torch ops; default: TIDEPOOL_NUM_THREADS, else from the cgroup quota"
+    )
     quantization: Quantization | None = Field(
         None,
         description="Check (gptq/awq/int8/int4 checkpoints) or apply at load (int8/int4 on a dense model); "

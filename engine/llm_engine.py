@@ -37,7 +37,8 @@ from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
-from .stats import EngineStats
+from .stats import EngineStats, RequestMetrics
+from .threads import configure_threads
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(config.model)
         self.resolved: ResolvedConfig = resolve(config, model_config)
         rc = self.resolved
+        self.threads = configure_threads(config.num_threads, is_cpu=rc.device.type == "cpu")
         self.executor: MultiprocExecutor | None = None
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             self.executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here

@@ -3,14 +3,24 @@
 It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
 head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
 slot mapping, block tables and masks once per step, runs the model, computes logits only
-for the sequences that sample this step, and hands those to the sampler.
+for the sequences that sample this step, and hands those to the sampler. On CPU it first
+stores the model's wide projections [in, out] (`layers.weight_layout`), once, at construction.
+
+On CUDA, host lists become device tensors through pinned memory with non-blocking copies, and
+decode-only steps replay a CUDA graph per batch-size bucket (`cuda_graphs`; off with
+TIDEPOOL_CUDA_GRAPHS=0). The graphs need one extra KV block, `num_blocks`, that the KV cache
+manager never hands out: padding rows write their keys there.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from .config import ModelConfig
+from .cuda_graphs import CudaGraphBackend, DecodeBatch, DecodeGraphs, GraphBackend, GraphInputs, capture_sizes
 from .layers.attention_backend import (
     attach_kernel_views,
     build_decode_mask,
@@ -18,9 +28,14 @@ from .layers.attention_backend import (
     cpu_kernel_available,
 )
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
+from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
+from .request import Request
 from .sampler import Sampler
 from .sched_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+CUDA_GRAPHS_ENV = "TIDEPOOL_CUDA_GRAPHS"
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -37,7 +52,12 @@ class ModelRunner:
         num_blocks: int,
         sampler: Sampler,
         device: torch.device,
+        *,
+        graph_backend: GraphBackend | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`graph_backend`: how decode graphs are captured (default: CUDA graphs on CUDA, none elsewhere).
+        `max_model_len` sizes the graphs' block tables (default: the model's rotary table length)."""
         self.model = model
         self.config = config
         self.block_size = block_size
@@ -45,6 +65,17 @@ class ModelRunner:
         self.sampler = sampler
         # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
         self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
+        if device.type == "cpu" and isinstance(model, torch.nn.Module):
+            apply_weight_layout(model)  # per-shape [in, out] storage: faster single-token matmuls
+        if graph_backend is None and _graphs_wanted(model, device):
+            graph_backend = CudaGraphBackend(device)
+        self.graphs: DecodeGraphs | None = None
+        if graph_backend is not None:
+            max_len = max_model_len or model.rotary.cos_cached.shape[0]
+            max_blocks = -(-max_len // block_size)
+            self.graphs = DecodeGraphs(self._graph_forward, capture_sizes(256), max_blocks, num_blocks, block_size,
+                                       device, graph_backend)  # fmt: skip
+            num_blocks += 1  # the padding rows' sink block
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (
@@ -56,6 +87,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.graphs is not None:
+            decode = self._graph_batch(sched_out)
+            if decode is not None:
+                return self._execute_graph(*decode)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -91,7 +126,7 @@ class ModelRunner:
                         query_start=query_start,
                         num_query_tokens=num_new,
                         context_len=context_len,
-                        block_ids=torch.tensor(blocks[:num_blocks], dtype=torch.long, device=self.device),
+                        block_ids=self._to_device(blocks[:num_blocks]),
                         mask=build_prefill_mask(start, num_new, context_len, window, self.device),
                     )
                 )
@@ -113,11 +148,9 @@ class ModelRunner:
             dtype = self.config.torch_dtype
             scratch = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=self._to_device(slots),
             num_decode_seqs=len(decode_tables),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=self.device).view(
-                len(padded), max_blocks
-            ),
+            decode_block_tables=self._to_device([b for row in padded for b in row]).view(len(padded), max_blocks),
             decode_mask=decode_mask,
             decode_kv_scratch=scratch,
             prefills=prefills,
@@ -130,12 +163,7 @@ class ModelRunner:
                 [1] * len(decode_tables) + [c.num_query_tokens for c in prefills],
                 window,
             )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
         out = ModelRunnerOutput()
         if spec_rows:
             rows = torch.cat([torch.arange(first, first + n, device=self.device) for _, first, n in spec_rows])
@@ -146,7 +174,7 @@ class ModelRunner:
                 offset += n
         if not sample_rows:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
         tokens, logprobs = self.sampler.sample(logits, sample_requests)
         out.sampled_token_ids = {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}
         out.logprobs = logprobs
@@ -186,3 +214,73 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch, meta)
         return self.model.compute_logits(hidden)
+
+    # ---- host to device, CUDA graphs --------------------------------------------------------------
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 tensor on the device; on CUDA through pinned memory with a non-blocking copy (no sync)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _graph_batch(self, sched_out: SchedulerOutput) -> tuple[DecodeBatch, list[Request]] | None:
+        """The step as a `DecodeBatch` when it is decode-only (one new token, sampled, no proposals) and fits."""
+        scheduled = sched_out.scheduled
+        if self.graphs is None or self.graphs.bucket_for(len(scheduled)) is None:
+            return None
+        bs = self.block_size
+        batch = DecodeBatch([], [], [], [], [])
+        for seq in scheduled:
+            if seq.num_new_tokens != 1 or not seq.needs_sample or seq.spec_token_ids:
+                return None
+            pos = seq.num_computed_tokens
+            blocks = seq.block_ids
+            batch.input_ids.append(seq.request.token_ids_slice(pos, pos + 1)[0])
+            batch.positions.append(pos)
+            batch.slots.append(blocks[pos // bs] * bs + pos % bs)
+            batch.seq_lens.append(pos + 1)
+            batch.block_tables.append(blocks[: -(-(pos + 1) // bs)])
+        return batch, [seq.request for seq in scheduled]
+
+    def _execute_graph(self, batch: DecodeBatch, requests: list[Request]) -> ModelRunnerOutput:
+        logits = self.graphs.run(batch)
+        tokens, logprobs = self.sampler.sample(logits, requests)
+        out = ModelRunnerOutput()
+        out.sampled_token_ids = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        out.logprobs = logprobs
+        return out
+
+    def _graph_forward(self, inputs: GraphInputs) -> torch.Tensor:
+        """The captured decode forward: reads only the arena views in `inputs`; returns logits [bucket, vocab]."""
+        window = self.config.sliding_window
+        slots, tables, mask = inputs.slot_mapping, inputs.block_tables, None
+        if self.device.type == "cpu":  # the torch attention path (fake-capture tests) indexes with int64
+            slots, tables = slots.long(), tables.long()
+            keys = torch.arange(tables.shape[1] * self.block_size).unsqueeze(0)
+            lens = inputs.seq_lens.long().unsqueeze(1)
+            mask = keys < lens
+            if window is not None:
+                mask &= keys > lens - 1 - window
+            mask = mask[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            num_decode_seqs=inputs.num_seqs,
+            decode_block_tables=tables,
+            decode_mask=mask,
+            block_tables=inputs.block_tables,
+            seq_lens=inputs.seq_lens,
+            cu_seqlens_q=inputs.cu_seqlens_q,
+            sliding_window=window,
+        )
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+
+def _graphs_wanted(model: object, device: torch.device) -> bool:
+    """CUDA graphs by default on CUDA for an in-process model; TIDEPOOL_CUDA_GRAPHS=0 turns them off."""
+    raw = os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{CUDA_GRAPHS_ENV}={raw!r}: expected 1/0 (on/off)")
+    if raw in ("0", "false", "off"):
+        logger.info("CUDA graphs off (%s=%s): every step runs eagerly", CUDA_GRAPHS_ENV, raw)
+        return False
+    return device.type == "cuda" and isinstance(model, torch.nn.Module)

@@ -66,6 +66,9 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[str, LogprobEntry]]:
         """logits: float32 [num_rows, vocab]; returns token ids (row order) and logprobs by request id."""
+        if all(_is_plain_greedy(r) for r in requests):
+            # Nothing to apply before the argmax: no copy of the logits, one device-to-host transfer.
+            return logits.argmax(dim=-1).tolist(), {}
         raw = logits
         logits = logits.clone()
         for row, request in enumerate(requests):
@@ -136,13 +139,31 @@ class Sampler:
         logprobs = torch.log_softmax(raw[rows], dim=-1)
         max_n = max(requests[i].sampling_params.logprobs or 0 for i in rows)
         top_values, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
+        chosen_ids = torch.tensor([tokens[row] for row in rows], device=logprobs.device).unsqueeze(1)
+        # One transfer each for all rows (a per-row .tolist() would wait on the device every time).
+        chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+        top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
         result: dict[str, LogprobEntry] = {}
         for k, row in enumerate(rows):
             request = requests[row]
             n = request.sampling_params.logprobs or 0
-            top = list(zip(top_ids[k, :n].tolist(), top_values[k, :n].tolist(), strict=True))
-            result[request.request_id] = (float(logprobs[k, tokens[row]]), top)
+            top = list(zip(top_ids_list[k][:n], top_values_list[k][:n], strict=True))
+            result[request.request_id] = (chosen[k], top)
         return result
+
+
+def _is_plain_greedy(request: Request) -> bool:
+    """Greedy, and nothing would change its logits row first: no penalty, mask, bias or logprobs."""
+    params = request.sampling_params
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and request.num_output_tokens >= params.min_tokens
+        and not getattr(params, "logit_bias", None)  # a field the server's OpenAI mapping may set
+    )
 
 
 def _processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -154,8 +175,8 @@ def _processed_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch
     if any(top_ks) or any(p < 1.0 for p in top_ps):
         logits = _top_k_top_p(logits, top_ks, top_ps)
     probs = torch.softmax(logits, dim=-1)
-    min_ps = torch.tensor([r.sampling_params.min_p for r in requests], device=logits.device)
-    if bool((min_ps > 0).any()):
+    if any(r.sampling_params.min_p > 0 for r in requests):  # decided on the host: no device sync
+        min_ps = torch.tensor([r.sampling_params.min_p for r in requests], device=logits.device)
         threshold = probs.max(dim=-1, keepdim=True).values * min_ps.unsqueeze(1)
         probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
     return probs

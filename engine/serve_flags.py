@@ -108,6 +108,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               managed=True, engine_field="enable_prefix_caching"),
     ServeFlag("enable-chunked-prefill", "bool", True, "split long prompts across steps",
               managed=True, engine_field="enable_chunked_prefill"),
+    ServeFlag("num-threads", "int", None, "CPU threads for torch ops; default: $TIDEPOOL_NUM_THREADS, else the "
+              "cgroup's CPU quota", engine_field="num_threads"),
     ServeFlag("seed", "int", 0, "sampling seed of requests that set none", engine_field="seed"),
     ServeFlag("quantization", "str", None,
               "check a quantized checkpoint's method, quantize a dense model to int8/int4 at load, or gguf: "

@@ -3,13 +3,57 @@
 Every check raises ValueError naming the argument and what to change. Device properties are
 read at call time (cached per device), never at import, so importing a kernel module works
 on a machine without a GPU.
+
+Checks read only tensor metadata (shape, strides, dtype, device) and scalar arguments, never
+tensor values (that would wait on the device), so a launcher's `_check` gives the same answer
+for every call with the same metadata: `checked_once` runs it once per such signature and
+replays the result afterwards, which takes the Python validation off the per-launch path.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+_R = TypeVar("_R")
+MAX_CHECKED_SIGNATURES = 4096  # per check function; the cache restarts empty when full
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.stride(), value.dtype, value.device)
+    return value
+
+
+def checked_once(check: Callable[..., _R]) -> Callable[..., _R]:
+    """Memoise a metadata-only check on its arguments' signatures (positional arguments only).
+
+    A failing check raises every time (errors are never cached). Arguments that cannot be hashed
+    (a list, say) simply run the check.
+    """
+    cache: dict[tuple[Any, ...], Any] = {}
+
+    @functools.wraps(check)
+    def wrapper(*args: Any) -> _R:
+        key = tuple(_signature(a) for a in args)
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable argument
+            return check(*args)
+        result = check(*args)
+        if len(cache) >= MAX_CHECKED_SIGNATURES:
+            cache.clear()
+        cache[key] = result
+        return result
+
+    wrapper.cache_clear = cache.clear  # type: ignore[attr-defined]
+    return wrapper
+
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # one head row must fit a register tile

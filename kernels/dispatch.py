@@ -163,6 +163,15 @@ def flash_attention_varlen(
     return impl(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window=window, out=out)
 
 
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in place on ``x [tokens, heads, head_dim]`` with sign-folded sin (``kernels.rotary``)."""
+    if x.is_cuda:
+        from .rotary import rotary_ as impl
+    else:
+        from .rotary import rotary_ref as impl
+    return impl(x, cos, sin_signed)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -34,6 +34,7 @@ from ._checks import (
     check_query_heads,
     check_same_device,
     check_sliding_window,
+    checked_once,
     dot_precision,
     next_power_of_2,
 )
@@ -173,6 +174,7 @@ def _flash_varlen_kernel(
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=io_mask)
 
 
+@checked_once
 def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import cdiv, check_matmul_input, choose_split_k, dot_precision
+from ._checks import cdiv, check_matmul_input, checked_once, choose_split_k, dot_precision
 from ._dot import mma, upcast_dot
 from .int4_packing import check_int4_shapes, dequantize_int4, offset_args
 
@@ -92,6 +92,7 @@ def _int4_matmul_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@checked_once
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor, group_size: int) -> int:
     k = check_int4_shapes(qweight, scales, offset, group_size)
     if not scales.is_floating_point() or offset.dtype != scales.dtype:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import cdiv, check_dim, check_matmul_input, choose_split_k, dot_precision
+from ._checks import cdiv, check_dim, check_matmul_input, checked_once, choose_split_k, dot_precision
 from ._dot import mma, upcast_dot
 
 
@@ -68,6 +68,7 @@ def _int8_matmul_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@checked_once
 def _check(x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor) -> None:
     check_dim("w_int8", w_int8, 2, "[N, K]")
     if w_int8.dtype != torch.int8:

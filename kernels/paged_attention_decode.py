@@ -37,6 +37,7 @@ from ._checks import (
     check_query_heads,
     check_same_device,
     check_sliding_window,
+    checked_once,
     dot_precision,
     next_power_of_2,
     num_sms,
@@ -174,6 +175,7 @@ def _merge_splits_kernel(
     tl.store(OUT + seq * stride_os + head * stride_oh + dims, out.to(OUT.dtype.element_ty), mask=dim_mask)
 
 
+@checked_once
 def _check(
     q: torch.Tensor,
     k_cache: torch.Tensor,

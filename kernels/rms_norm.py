@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._checks import check_float, check_last_contiguous, check_same_device, next_power_of_2
+from ._checks import check_float, check_last_contiguous, check_same_device, checked_once, next_power_of_2
 
 MAX_HIDDEN = 65536  # one row must fit a register tile
 
@@ -53,6 +53,7 @@ def _rms_norm_kernel(
     tl.store(OUT + row * stride_o + cols, (normed * weight).to(OUT.dtype.element_ty), mask=mask)
 
 
+@checked_once
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     check_float("x", x)
     if x.dim() < 1 or not 1 <= x.shape[-1] <= MAX_HIDDEN:

@@ -20,6 +20,7 @@ from ._checks import (
     check_kv_cache,
     check_last_contiguous,
     check_same_device,
+    checked_once,
     next_power_of_2,
 )
 
@@ -57,6 +58,7 @@ def _store_kv_kernel(
     tl.store(V_CACHE + dst, v, mask=mask)
 
 
+@checked_once
 def _check(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     for name, t in (("k", k), ("v", v)):

@@ -2,6 +2,10 @@
 
 The cos/sin table is computed once in float32 up to the model's max positions and indexed by
 each token's position, so chunked prefill and decode give the same values as a full forward.
+The sin table is stored sign-folded, ``sin_signed = cat(-sin, sin)``, so that
+``rotate_half(x) * sin == swap_halves(x) * sin_signed`` exactly: on CPU the rotation is four
+ops in place (roll, two multiplies, an add; the torch form took six and two temporaries), on
+CUDA one Triton kernel for q and k together (`tidepool.kernels.rotary`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ...kernels import dispatch
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -47,17 +53,22 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self.register_buffer("cos_cached", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin_cached", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos and sin, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos_cached[positions].to(dtype).unsqueeze(1), self.sin_cached[positions].to(dtype).unsqueeze(1)
+        """Per-token cos and sign-folded sin rows, [num_tokens, head_dim] in `dtype` (once per step)."""
+        return self.cos_cached[positions].to(dtype), self.sin_cached[positions].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] in place (heads contiguous, any token stride); returns x.
+
+    CPU arithmetic is bit-identical to Hugging Face's ``x * cos + rotate_half(x) * sin`` in x's
+    dtype: each product is rounded, then the sum (addcmul would fuse the multiply-add into one
+    rounding, which is more accurate but no longer identical).
+    """
+    if x.is_cuda:
+        return dispatch.rotary_(x, cos, sin_signed)
+    swapped = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed.unsqueeze(1))
+    return x.mul_(cos.unsqueeze(1)).add_(swapped)

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..layers.attention_backend import paged_attention
 from ..layers.attention_metadata import AttentionMetadata
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..layers.rotary import RotaryEmbedding, apply_rotary_
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -54,9 +54,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        # q and k are adjacent in the fused output: rotate both heads at once.
+        # q and k are adjacent in the fused output: rotate both heads at once, in place.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary_(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
@@ -74,7 +74,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
 
 
 class LlamaDecoderLayer(nn.Module):

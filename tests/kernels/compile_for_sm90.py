@@ -65,6 +65,7 @@ def main(groups: list[str]) -> None:
     from tidepool.kernels.int8_matmul import int8_matmul
     from tidepool.kernels.paged_attention_decode import paged_attention_decode
     from tidepool.kernels.rms_norm import rms_norm
+    from tidepool.kernels.rotary import rotary_
     from tidepool.kernels.store_kv import store_kv
 
     i32 = torch.int32
@@ -86,6 +87,8 @@ def main(groups: list[str]) -> None:
             store_kv(new, new, cache, cache, torch.arange(5))
             x = torch.zeros(5, 4096, dtype=dtype)
             rms_norm(x, torch.zeros(4096, dtype=dtype), 1e-5, x)
+            qkv = torch.zeros(5, 48 * 128, dtype=dtype)  # 32 q + 8 k heads rotated, 8 v heads left alone
+            rotary_(qkv[:, : 40 * 128].view(5, 40, 128), torch.zeros(5, 128, dtype=dtype), torch.zeros(5, 128))
         if "matmul" in groups:
             for m in (1, 64):
                 x = torch.zeros(m, 4096, dtype=dtype)

@@ -21,6 +21,7 @@ _KERNEL_MODULES = (
     "_paged_tile",
     "store_kv",
     "rms_norm",
+    "rotary",
     "paged_attention_decode",
     "flash_attention_varlen",
     "int8_matmul",
