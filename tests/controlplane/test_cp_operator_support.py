@@ -30,6 +30,7 @@ CRD_FILE = REPO / "crds" / "tidepool.dev_inferenceservices.yaml"
 EXAMPLES = REPO / "examples"
 TIDEPOOL = Path(sys.executable).with_name("tidepool")
 OPERATOR_NAMESPACE = "tidepool-system"
+LEASE_NAME = "tidepool"  # the chart's fullname for release "tidepool": what its leader-election Role names
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 GROUP, VERSION, PLURAL = "tidepool.dev", "v1alpha1", "inferenceservices"
 
@@ -142,20 +143,29 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    """`tidepool operator` as a subprocess; every start appends to the same log."""
+    """`tidepool operator` as a subprocess with its production defaults (resync interval, workers, leader
+    election on the chart's Lease); every start appends to the same log.
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, resync_seconds: float = 3.0) -> None:
+    The Lease is the one the chart's RBAC names (release "tidepool" in OPERATOR_NAMESPACE), so two
+    OperatorProcesses at once contend for it as two chart replicas would."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.kubeconfig, self.namespaces, self.log = kubeconfig, namespaces, log
-        self.resync_seconds = resync_seconds
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0
+        self.metrics_port = 0
 
     def start(self) -> None:
         args = [str(TIDEPOOL), "operator", "--kubeconfig", str(self.kubeconfig)]
         for ns in self.namespaces:
             args += ["-n", ns]
-        args += ["--resync-seconds", str(self.resync_seconds), "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        args += ["--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
+        args += list(self.extra_args)
+        self.metrics_port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # the token kubeconfig only
+        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = env.get("TIDEPOOL_OPERATOR_METRICS_PORT") or str(self.metrics_port)
         with open(self.log, "ab") as fh:
             fh.write(f"---- start {self.num_starts}: {' '.join(args)}\n".encode())
             fh.flush()
