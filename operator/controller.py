@@ -46,13 +46,15 @@ from tidepool.operator.reconcile import (
     Desired,
     apply_all,
     desire,
+    hold_router,
     observe,
+    old_pools,
     plan,
     pruned_event,
     status_patch,
     write_status,
 )
-from tidepool.operator.status import Outcome, build_status, pod_problems
+from tidepool.operator.status import Outcome, build_status, observe_pool, pod_problems
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
@@ -153,6 +155,7 @@ class Controller:
         self._tasks.append(asyncio.create_task(self.queue.run_timers(), name="queue timers"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="resync"))
         self._tasks.append(asyncio.create_task(self._feature_loop(), name="features"))
+        self._tasks.append(asyncio.create_task(self._stats_loop(), name="stats"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -193,6 +196,27 @@ class Controller:
                 if due <= now:
                     del self.resync_due[key]
                     self.queue.add(key, full=True)
+
+    async def _stats_loop(self, every_s: float = 60.0) -> None:
+        """One INFO line a minute while there is work: what the controller did and what it cost."""
+        client = self.client
+        last = (0, 0, 0)
+        while True:
+            await asyncio.sleep(every_s)
+            now = (self.num_syncs, self.num_full, client.num_requests)
+            if now == last:
+                continue
+            verbs = ", ".join(
+                f"{verb} {n} ({1000 * client.seconds_by_verb[verb] / n:.0f} ms)"
+                for verb, n in sorted(client.requests_by_verb.items())
+            )
+            logger.info(
+                "%d syncs (%d full) in %.0fs; queue %d ready, %d processing, %d delayed; cache %s; "
+                "API requests so far: %s; throttled %d",
+                now[0] - last[0], now[1] - last[1], every_s, len(self.queue), self.queue.num_processing,
+                self.queue.num_delayed, self.store.count(), verbs, client.num_throttled,
+            )  # fmt: skip
+            last = now
 
     async def _worker(self) -> None:
         while True:
@@ -262,6 +286,7 @@ class Controller:
             and not state.has_deferred
             and {k: c.version for k, c in children.items()} == state.versions
         )
+        held_router = False
         if fast and state is not None:
             desired = state.desired
             workloads = {k: c.body() for k, c in children.items() if k[0] in WORKLOAD_KINDS}
@@ -275,6 +300,9 @@ class Controller:
                 return
             observed = {k: c.body() for k, c in children.items()}
             todo = plan(desired.children, observed)
+            if todo.deferred:  # a mode or topology switch: make before break
+                before, _ = observe(desired, {k: v for k, v in observed.items() if k[0] in WORKLOAD_KINDS}, pods)
+                held_router = hold_router(todo, desired, observed, all(p.is_serving_current for p in before))
             applied, error = await apply_all(self.client, todo.apply)
             for obj in applied.values():
                 self.store.put(obj)
@@ -288,12 +316,13 @@ class Controller:
             deferred = todo.deferred
         pools, router = observe(desired, workloads, pods)
         members = [*pools, *([router] if router else [])]
-        if deferred and not error and all(m.is_serving_current for m in members):
+        replaced = [observe_pool(layout, workloads, pods) for layout in old_pools(deferred, desired)]
+        if deferred and not error and not held_router and all(m.is_serving_current for m in members):
             await asyncio.gather(*(self.client.delete(o) for o in deferred))
             for obj in deferred:
                 self.store.delete({"kind": obj["kind"], "metadata": obj["metadata"]})
             events.append(pruned_event(deferred))
-            deferred = []
+            deferred, replaced = [], []
         elif deferred:
             logger.info("[%s/%s] keeping %d old children until the new pools serve", *key, len(deferred))
         outcome = Outcome(apply_error=error, applied=error is None, scaling_limit=scaling_limit)
@@ -301,7 +330,7 @@ class Controller:
             outcome.pod_problems = pod_problems(pods)
         status = build_status(
             previous, generation, pools, router, outcome, desired.url, desired.selector, desired.scaled_pool,
-            now_rfc3339(),
+            now_rfc3339(), replaced,
         )  # fmt: skip
         if error:
             degraded = previous.condition("Degraded")
@@ -311,7 +340,7 @@ class Controller:
         else:
             versions = {k: c.version for k, c in self.store.children_of(key, uid).items()}
             slim = Desired([], desired.pools, desired.router, desired.url, desired.selector, desired.scaled_pool)
-            self.verified[key] = Verified(fingerprint, versions, slim, bool(deferred))
+            self.verified[key] = Verified(fingerprint, versions, slim, bool(deferred) or held_router)
         if not fast:
             jitter = self.options.resync_seconds * random.uniform(0.9, 1.1)
             self.resync_due[key] = time.monotonic() + jitter

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import ssl
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -99,6 +100,7 @@ class KubeClient:
         self.limiter = TokenBucket(qps, max(burst, 1))
         self.num_requests = 0
         self.requests_by_verb: Counter[str] = Counter()
+        self.seconds_by_verb: Counter[str] = Counter()  # time from asking for a token to the answer
         self.num_throttled = 0  # 429 answers, each retried after Retry-After
 
     async def __aenter__(self) -> KubeClient:
@@ -153,6 +155,22 @@ class KubeClient:
         url = self._url(path, params)
         data = None if body is None else json.dumps(body, separators=(",", ":"))
         reauthenticated = False
+        started = time.monotonic()
+        try:
+            return await self._request(session, method, url, path, data, content_type, reauthenticated)
+        finally:
+            self.seconds_by_verb[method] += time.monotonic() - started
+
+    async def _request(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        path: str,
+        data: str | None,
+        content_type: str,
+        reauthenticated: bool,
+    ) -> dict[str, Any]:
         for _attempt in range(MAX_THROTTLE_RETRIES + 2):
             await self.limiter.acquire()
             self.num_requests += 1

@@ -196,22 +196,62 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
     return out
 
 
+def old_pools(deferred: Sequence[Mapping[str, Any]], desired: Desired) -> list[PoolLayout]:
+    """Layouts of the pools a mode switch replaces (their workloads are among the deferred prunes), so
+    their pods can be counted while they still serve."""
+    current = {layout.name for layout in desired.pools}
+    by_pool: dict[str, list[Mapping[str, Any]]] = {}
+    for obj in deferred:
+        pool = (obj["metadata"].get("labels") or {}).get(LABEL_POOL, "")
+        if obj["kind"] in WORKLOAD_KINDS and pool not in current:
+            by_pool.setdefault(pool, []).append(obj)
+    layouts = []
+    for pool, workloads in sorted(by_pool.items()):
+        first = workloads[0]
+        groups = first["kind"] == "StatefulSet"  # one StatefulSet per replica
+        replicas = len(workloads) if groups else int(first["spec"].get("replicas", 1))
+        layouts.append(
+            PoolLayout(
+                name=pool,
+                desired=replicas,
+                floor=min(replicas, 1),
+                spec_hash=template_hash(first) or "",
+                workloads=tuple(_key(w) for w in workloads),
+                pods_per_replica=pods_per_replica(first),
+            )
+        )
+    return layouts
+
+
+def hold_router(
+    todo: Plan, desired: Desired, observed: Mapping[ChildKey, Mapping[str, Any]], new_pools_serve: bool
+) -> bool:
+    """During a mode switch the router keeps routing to the old pools until the new ones serve: its update
+    is taken out of `todo` (returns True when it was). A router that does not exist yet is created."""
+    replacing = any(obj["kind"] in WORKLOAD_KINDS for obj in todo.deferred)
+    if new_pools_serve or not replacing or desired.router is None:
+        return False
+    router = desired.router.workloads[0]
+    held = [o for o in todo.apply if _key(o) == router]
+    if not held or router not in observed:
+        return False
+    todo.apply.remove(held[0])
+    return True
+
+
 def pruned_event(objs: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
     names = ", ".join(f"{k}/{n}" for k, n in map(_key, objs))
     return ("Normal", "Pruned", f"deleted children no longer in the spec: {names}")
 
 
 async def apply_all(client: KubeClient, objs: Sequence[dict[str, Any]]) -> tuple[dict[ChildKey, dict], str | None]:
-    """Apply in phases, each concurrently: a RoleBinding after its Role (the API server's escalation check
-    reads the Role), workloads after what they reference. Returns the answers and the first error."""
+    """Apply in two phases, each concurrently: a RoleBinding after its Role (the API server's escalation
+    check reads the Role), workloads after the ServiceAccount and ConfigMap their pods use (else the
+    first pods are refused and the ReplicaSet backs off). Returns the answers and the first error."""
     results: dict[ChildKey, dict] = {}
     error = None
     later = {"RoleBinding", *WORKLOAD_KINDS}
-    for phase in (
-        [o for o in objs if o["kind"] not in later],
-        [o for o in objs if o["kind"] == "RoleBinding"],
-        [o for o in objs if o["kind"] in WORKLOAD_KINDS],
-    ):
+    for phase in ([o for o in objs if o["kind"] not in later], [o for o in objs if o["kind"] in later]):
         answers = await asyncio.gather(*(client.apply(o) for o in phase), return_exceptions=True)
         for obj, answer in zip(phase, answers, strict=True):
             if isinstance(answer, ApiError) and answer.status not in (429, 500, 502, 503, 504):

@@ -194,6 +194,15 @@ def _counts(members: Sequence[PoolObservation]) -> str:
     return ", ".join(f"{m.name} {m.updated_ready}/{m.desired} (min {m.floor})" for m in members)
 
 
+def _still_serving(
+    members: Sequence[PoolObservation], router: PoolObservation | None, replaced: Sequence[PoolObservation]
+) -> bool:
+    """Serving on any template: every pool (or, in a mode switch, every old pool) and the router."""
+    if replaced:
+        return all(m.is_serving for m in replaced) and (router is None or router.is_serving)
+    return all(m.is_serving for m in members)
+
+
 def build_status(
     previous: InferenceServiceStatus,
     generation: int,
@@ -204,8 +213,12 @@ def build_status(
     selector: str | None,
     scaled_pool: str | None,
     now: str,
+    replaced: Sequence[PoolObservation] = (),
 ) -> InferenceServiceStatus:
-    """The new status; conditions keep their lastTransitionTime when their status is unchanged."""
+    """The new status; conditions keep their lastTransitionTime when their status is unchanged.
+
+    `replaced`: pools a mode switch is replacing, still running until the new pools serve; while they
+    and the router serve, the service is serving on its earlier spec."""
     status = previous.model_copy(deep=True)
     if outcome.applied and not outcome.spec_error:
         status.observed_generation = generation
@@ -238,7 +251,7 @@ def build_status(
 
     if outcome.applied and all(m.is_serving_current for m in members):
         cond("Ready", True, "MinimumReplicasReady", f"serving at {url} on the current spec: {_counts(members)}")
-    elif all(m.is_serving for m in members) and was_ready is not None and was_ready.status == "True":
+    elif _still_serving(members, router, replaced) and was_ready is not None and was_ready.status == "True":
         # Still true of the generation it was computed for: keep it (and its generation) while the
         # new template rolls out, so nothing reads the service as down while it serves.
         lagging = "; ".join(_describe(m) for m in members if not m.is_serving_current)

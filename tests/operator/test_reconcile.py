@@ -144,10 +144,19 @@ def test_mode_switch_keeps_the_old_pool_until_the_new_pools_serve():
     assert ("Deployment", f"{NAME}-prefill") in api.objects and ("Deployment", f"{NAME}-decode") in api.objects
     assert ("Deployment", f"{NAME}-unified") in api.objects  # make before break
     assert api.calls["delete"] == 0
+
+    def router_args() -> list[str]:
+        return api.objects[("Deployment", f"{NAME}-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert f"--unified-service={NAME}-unified" in " ".join(router_args()).replace(" ", "=")  # still the old pool
+    ready = api.condition("Ready")
+    assert ready["status"] == "True" and ready["observedGeneration"] == 1  # the old pool and router serve
     pods_ready(api, f"{NAME}-prefill", "prefill", 1)
     sync(ctrl)
     assert ("Deployment", f"{NAME}-unified") in api.objects  # decode does not serve yet
     pods_ready(api, f"{NAME}-decode", "decode", 1)
+    sync(ctrl)  # the new pools serve: now the router switches to them; the old pool stays until it has
+    assert "--decode-service" in router_args() and ("Deployment", f"{NAME}-unified") in api.objects
     api.add_pod(f"{NAME}-router-new", "router", api.hash_of(f"{NAME}-router"))
     sync(ctrl)
     assert ("Deployment", f"{NAME}-unified") not in api.objects
