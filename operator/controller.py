@@ -95,6 +95,7 @@ class Controller:
         self.features = options.features
         self.verified: dict[Key, Verified] = {}
         self.resync_due: dict[Key, float] = {}
+        self.tick_timers: dict[Key, float] = {}  # when each autoscaled key's next tick wakes it
         self.informers: dict[tuple[str, str | None], Informer] = {}
         self._tasks: list[asyncio.Task] = []
         self.autoscaler: Autoscaler | None = None
@@ -239,9 +240,19 @@ class Controller:
             finally:
                 self.queue.done(key)
 
+    def _wake_for_tick(self, key: Key, delay_s: float) -> None:
+        """One timer per key for its next autoscaler tick (syncs triggered by events must not add more)."""
+        due = time.monotonic() + delay_s
+        pending = self.tick_timers.get(key)
+        if pending is not None and time.monotonic() <= pending <= due + 0.5:
+            return
+        self.tick_timers[key] = due
+        self.queue.add_after(key, delay_s + 0.01)
+
     def forget(self, key: Key) -> None:
         self.verified.pop(key, None)
         self.resync_due.pop(key, None)
+        self.tick_timers.pop(key, None)
         if self.autoscaler is not None:
             self.autoscaler.forget(key)
 
@@ -263,9 +274,10 @@ class Controller:
                 if self.autoscaler.seconds_until_due(key) <= 0:
                     body = await self.autoscaler.tick(key, body)
                     self.store.put({**body, "kind": SERVICE_KIND})
-                self.queue.add_after(key, self.autoscaler.seconds_until_due(key) + 0.01)
+                self._wake_for_tick(key, self.autoscaler.seconds_until_due(key))
             else:
                 self.autoscaler.forget(key)
+                self.tick_timers.pop(key, None)
         await self._reconcile(key, body, full)
 
     async def _reconcile(self, key: Key, body: dict[str, Any], full: bool) -> None:

@@ -70,6 +70,7 @@ async def lead_and_run(state: OperatorState, autoscaler: Autoscaler) -> None:
     await state.controller.start(autoscaler)
     if state.elector is None:
         await asyncio.Event().wait()  # runs until cleanup cancels it
+        return
     await state.elector.hold()
     # Lost the Lease: another replica may already be reconciling. Stop writing now, not after a clean
     # shutdown that could still flush a reconcile; the restarted pod comes back as a stand-by.
