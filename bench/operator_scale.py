@@ -17,7 +17,9 @@ bench/results/operator_scale_n<N>_m<M>.json and a PNG of the counts over time.
 
 The cluster's own controllers get client limits that do not bind (the benchmark measures the
 operator, not kube-controller-manager's default 20 requests/s, which alone would take ~200 s to
-create the 2N ReplicaSets and pods), and kwok renews node leases (--node-lease-duration-seconds=40).
+create the 2N ReplicaSets and pods), kwok renews node leases every ~150 s (--node-lease-duration-seconds=600), and
+nodes are not declared dead for an hour (on a busy machine kwok renews 1,000 leases late, and a node
+marked NotReady turns its KWOK pods Ready=False for good).
 Every component (etcd, apiserver, controller-manager, scheduler, kwok, operator, this poller) shares
 the machine's cores; the numbers are wall-clock on whatever machine runs it.
 """
@@ -58,12 +60,17 @@ from tidepool.operator.k8s import KubeClient, load_credentials  # noqa: E402
 
 NAMESPACE = "bench"
 COMPONENT_FLAGS = {
-    "kwok": ["--node-lease-duration-seconds=40"],
+    # kwok renews node leases (without a duration it renews none and nodes go NotReady); 1,000 nodes at
+    # the kubelet's 40 s would be ~100 lease writes a second of background load on a 2-core machine.
+    "kwok": ["--node-lease-duration-seconds=600"],
     "kube-controller-manager": [
         "--kube-api-qps=1000",
         "--kube-api-burst=2000",
         "--concurrent-deployment-syncs=25",
         "--concurrent-replicaset-syncs=25",
+        # kwok renews 1,000 node leases; on a starved machine it falls behind, the node lifecycle controller
+        # marks nodes NotReady and sets every pod's Ready=False for good (KWOK only readies Pending pods).
+        "--node-monitor-grace-period=1h",
     ],
     "kube-scheduler": ["--kube-api-qps=1000", "--kube-api-burst=2000"],
 }

@@ -42,10 +42,12 @@ from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Stor
 from tidepool.operator.events import EventRecorder
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.reconcile import (
+    LEGACY_FINALIZER,
     WORKLOAD_KINDS,
     Desired,
     apply_all,
     desire,
+    drop_legacy_finalizer,
     hold_router,
     observe,
     old_pools,
@@ -59,10 +61,6 @@ from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
 FEATURE_TTL_S = 300.0  # how often optional CRDs (LWS, ServiceMonitor) are looked up again
-LEGACY_FINALIZER = "tidepool.dev/finalizer"  # kopf's, from operators before the watch-driven controller
-LEGACY_ANNOTATIONS = tuple(
-    f"tidepool.dev/{k}" for k in ("last-handled-configuration", "create", "update", "resume", "resync", "autoscale")
-)
 BASE_KINDS = ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget")
 BASE_KINDS += ("PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod")
 Key = tuple[str, str]
@@ -266,7 +264,9 @@ class Controller:
         body = cached.body()
         meta = body["metadata"]
         if LEGACY_FINALIZER in (meta.get("finalizers") or []):
-            body = await self._drop_legacy_finalizer(body)
+            body = await drop_legacy_finalizer(self.client, body)
+            self.store.put({**body, "kind": SERVICE_KIND})
+            logger.info("[%s/%s] removed the finalizer of an older operator version", *key)
         if meta.get("deletionTimestamp"):
             return
         if self.autoscaler is not None:
@@ -385,22 +385,6 @@ class Controller:
         if degraded is None or degraded.reason != "InvalidSpec" or degraded.message != message:
             logger.info("[%s/%s] invalid spec: %s", *key, message)
             await self.events.post(body, "Warning", "InvalidSpec", message[:1000])
-
-    async def _drop_legacy_finalizer(self, body: dict[str, Any]) -> dict[str, Any]:
-        meta = body["metadata"]
-        patch: dict[str, Any] = {
-            "metadata": {
-                "resourceVersion": meta["resourceVersion"],
-                "finalizers": [f for f in meta.get("finalizers") or [] if f != LEGACY_FINALIZER] or None,
-            }
-        }
-        stale = [a for a in LEGACY_ANNOTATIONS if a in (meta.get("annotations") or {})]
-        if stale:
-            patch["metadata"]["annotations"] = dict.fromkeys(stale)
-        updated = await self.client.patch_merge(SERVICE_KIND, meta["namespace"], meta["name"], patch)
-        logger.info("[%s/%s] removed the finalizer of an older operator version", meta["namespace"], meta["name"])
-        self.store.put({**updated, "kind": SERVICE_KIND})
-        return updated
 
 
 def _autoscaling_enabled(body: Mapping[str, Any]) -> bool:

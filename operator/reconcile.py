@@ -45,6 +45,10 @@ from tidepool.operator.quantity import same_quantity
 from tidepool.operator.status import PoolLayout, PoolObservation, observe_pool, pods_per_replica, template_hash
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
+LEGACY_FINALIZER = "tidepool.dev/finalizer"  # kopf's, from operators before the watch-driven controller
+LEGACY_ANNOTATIONS = tuple(
+    f"tidepool.dev/{k}" for k in ("last-handled-configuration", "create", "update", "resume", "resync", "autoscale")
+)
 QUANTITY_MAPS = ("requests", "limits")  # container resources, PVC storage: every value is a quantity
 ROUTER = "router"
 ChildKey = tuple[str, str]  # (kind, name)
@@ -305,3 +309,19 @@ async def write_status(client: KubeClient, body: Mapping[str, Any], patch: dict[
         if exc.status == 404:  # deleted meanwhile: nothing left to report on
             return None
         raise
+
+
+async def drop_legacy_finalizer(client: KubeClient, body: Mapping[str, Any]) -> dict[str, Any]:
+    """Remove the finalizer (and handler annotations) an older, kopf-handler operator left, so deleting
+    the object never waits for an operator. Conditional on the resourceVersion; returns the new object."""
+    meta = body["metadata"]
+    patch: dict[str, Any] = {
+        "metadata": {
+            "resourceVersion": meta["resourceVersion"],
+            "finalizers": [f for f in meta.get("finalizers") or [] if f != LEGACY_FINALIZER] or None,
+        }
+    }
+    stale = [a for a in LEGACY_ANNOTATIONS if a in (meta.get("annotations") or {})]
+    if stale:
+        patch["metadata"]["annotations"] = dict.fromkeys(stale)
+    return await client.patch_merge(KIND, meta["namespace"], meta["name"], patch)
