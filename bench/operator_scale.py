@@ -1,19 +1,27 @@
-"""Operator scale benchmark: N InferenceServices on M KWOK GPU nodes, time until all are Ready.
+"""Operator scale benchmark: N InferenceServices on M KWOK GPU nodes: time to Ready, memory, steady-state cost.
 
 Starts a throw-away control plane (e2e/controlplane) with M fake 8-GPU nodes, installs the CRD and
-the chart's RBAC, runs `tidepool operator` as the chart's ServiceAccount (token kubeconfig, like the
-control-plane tests), creates N one-GPU unified InferenceServices (1 engine + 1 router pod each) as
-fast as the API server takes them, and polls until every one reports Ready at its generation.
-Reports: time to all created, when every engine Deployment existed / had its pods ready / every
-service was Ready (from the first create), the operator's peak RSS (VmHWM) and CPU seconds
-(utime+stime from /proc), and the machine's load. Results go to bench/results/operator_scale_n<N>_m<M>.json.
+the chart's RBAC, runs `tidepool operator` with its production defaults as the chart's ServiceAccount
+(token kubeconfig, like the control-plane tests; leader election on), creates N one-GPU unified
+InferenceServices (1 engine + 1 router pod each) as fast as the API server takes them, and records
+every `--poll` seconds (from two watches) how many engine Deployments exist, how many have their pods ready and how many
+services are Ready at their generation, until all are Ready. Then the steady state: `--settle`
+seconds after all Ready, the API server's own `apiserver_request_total` over `--window` seconds with
+the operator running, minus the same window with it stopped, per service per minute (and the count
+APF attributes to ServiceAccount clients, i.e. the operator, in the running window). Reports the
+operator's peak RSS (VmHWM) and CPU seconds, the machine's load, and writes
+bench/results/operator_scale_n<N>_m<M>.json and a PNG of the counts over time.
 
-    source scripts/env.sh && nice -n 19 python bench/operator_scale.py --services 100 --nodes 100
+    source scripts/env.sh
+    flock /tmp/tp/bench.lock nice -n 19 python bench/operator_scale.py --services 1000 --nodes 1000
 
-kwok here runs with --node-lease-duration-seconds=40 (added by this script): without it nothing
-renews node leases, nodes turn NotReady ~50 s after start and every pod loses readiness for good.
-The numbers are wall-clock on whatever machine runs it: every component (etcd, apiserver,
-controller-manager, scheduler, kwok, operator, this poller) shares its cores.
+The cluster's own controllers get client limits that do not bind (the benchmark measures the
+operator, not kube-controller-manager's default 20 requests/s, which alone would take ~200 s to
+create the 2N ReplicaSets and pods), kwok renews node leases every ~150 s (--node-lease-duration-seconds=600), and
+nodes are not declared dead for an hour (on a busy machine kwok renews 1,000 leases late, and a node
+marked NotReady turns its KWOK pods Ready=False for good).
+Every component (etcd, apiserver, controller-manager, scheduler, kwok, operator, this poller) shares
+the machine's cores; the numbers are wall-clock on whatever machine runs it.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -37,9 +46,12 @@ sys.path[:0] = [str(REPO / "e2e" / "controlplane"), str(REPO / "tests" / "contro
 
 from test_cp_operator_support import (  # noqa: E402
     OperatorProcess,
+    apiserver_counters,
+    counter_delta,
     install_crd,
     is_ready,
     operator_identity,
+    requests_by_kind,
     restricted_namespace,
 )
 
@@ -47,6 +59,21 @@ import devcluster  # noqa: E402
 from tidepool.operator.k8s import KubeClient, load_credentials  # noqa: E402
 
 NAMESPACE = "bench"
+COMPONENT_FLAGS = {
+    # kwok renews node leases (without a duration it renews none and nodes go NotReady); 1,000 nodes at
+    # the kubelet's 40 s would be ~100 lease writes a second of background load on a 2-core machine.
+    "kwok": ["--node-lease-duration-seconds=600"],
+    "kube-controller-manager": [
+        "--kube-api-qps=1000",
+        "--kube-api-burst=2000",
+        "--concurrent-deployment-syncs=25",
+        "--concurrent-replicaset-syncs=25",
+        # kwok renews 1,000 node leases; on a starved machine it falls behind, the node lifecycle controller
+        # marks nodes NotReady and sets every pod's Ready=False for good (KWOK only readies Pending pods).
+        "--node-monitor-grace-period=1h",
+    ],
+    "kube-scheduler": ["--kube-api-qps=1000", "--kube-api-burst=2000"],
+}
 
 
 def service(name: str) -> dict[str, Any]:
@@ -82,14 +109,11 @@ class ProcStats:
         return 0.0
 
 
-def patch_kwok_leases() -> None:
-    """Give kwok a node lease duration so it renews node leases (see the module docstring)."""
+def patch_component_flags() -> None:
     original = devcluster.DevCluster._spawn
 
     def spawn(self: devcluster.DevCluster, name: str, args: list[str]) -> None:
-        if name == "kwok":
-            args = [*args, "--node-lease-duration-seconds=40"]
-        original(self, name, args)
+        original(self, name, [*args, *COMPONENT_FLAGS.get(name, [])])
 
     devcluster.DevCluster._spawn = spawn  # type: ignore[method-assign]
 
@@ -112,101 +136,226 @@ async def create_all(kubeconfig: Path, num: int, concurrency: int = 16) -> float
     return time.monotonic() - t0
 
 
-async def progress(kubeconfig: Path) -> dict[str, int]:
-    """Counts per phase: engine Deployments created, Deployments with every replica ready, services Ready."""
+class Progress:
+    """Counts from two watches (InferenceServices; engine Deployments): engine Deployments created, those with
+    every replica ready, services Ready at their generation. A watch costs the API server one event per
+    change; polling full lists of 1,000 services and 2,000 Deployments every few seconds would cost it
+    more than the operator does."""
+
+    def __init__(self, api: KubeClient) -> None:
+        self.api = api
+        self.ready: dict[str, bool] = {}
+        self.engines: dict[str, bool] = {}  # engine Deployment -> every replica ready
+        self.synced = 0
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "engines": len(self.engines),
+            "engines_ready": sum(self.engines.values()),
+            "ready": sum(self.ready.values()),
+        }
+
+    def _update(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        if kind == "InferenceService":
+            self.ready[name] = event_type != "DELETED" and is_ready(obj)
+        elif name.endswith("-unified"):
+            status = obj.get("status") or {}
+            self.engines[name] = int(status.get("readyReplicas", 0)) >= int(obj["spec"].get("replicas", 1))
+
+    async def follow(self, kind: str) -> None:
+        items, rv, _ = await self.api.list_page(kind, NAMESPACE, None)
+        for item in items:
+            self._update(kind, "ADDED", item)
+        self.synced += 1
+        while True:
+            try:
+                async for event in self.api.watch(kind, NAMESPACE, None, rv, 300):
+                    obj = event.get("object") or {}
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    if event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                        self._update(kind, event["type"], obj)
+            except Exception as exc:  # a dropped watch: resume from the last version seen
+                print(f"progress watch on {kind} restarted: {exc!r}", file=sys.stderr)
+                await asyncio.sleep(1)
+
+
+async def watch_ready(kubeconfig: Path, num: int, timeout_s: float, poll_s: float, started: asyncio.Event) -> list:
+    """Sample the counts every poll_s seconds from the first create until all are Ready (or timeout)."""
+    timeline: list[dict[str, Any]] = []
     async with KubeClient(load_credentials(str(kubeconfig))) as api:
-        services, deployments = await asyncio.gather(
-            api.list("InferenceService", NAMESPACE), api.list("Deployment", NAMESPACE)
-        )
-    engines = [d for d in deployments if d["metadata"]["name"].endswith("-unified")]
-    pods_ready = [d for d in engines if (d.get("status") or {}).get("readyReplicas", 0) >= d["spec"]["replicas"]]
-    return {"engines": len(engines), "engines_ready": len(pods_ready), "ready": sum(map(is_ready, services))}
+        progress = Progress(api)
+        tasks = [asyncio.create_task(progress.follow(k)) for k in ("InferenceService", "Deployment")]
+        while progress.synced < 2:
+            await asyncio.sleep(0.1)
+        started.set()
+        t0 = time.monotonic()
+        with tqdm(total=num, desc="Ready", unit="svc") as bar:
+            while time.monotonic() - t0 < timeout_s:
+                counts = progress.counts()
+                timeline.append({"t": round(time.monotonic() - t0, 1), **counts})
+                bar.update(counts["ready"] - bar.n)
+                if counts["ready"] == num:
+                    break
+                await asyncio.sleep(poll_s)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return timeline
 
 
-def run(num_services: int, num_nodes: int, timeout_s: float, resync_s: float, keep_state: bool) -> dict[str, Any]:
-    patch_kwok_leases()
+async def create_and_watch(kubeconfig: Path, num: int, timeout_s: float, poll_s: float) -> tuple[float, list]:
+    started = asyncio.Event()
+    watcher = asyncio.create_task(watch_ready(kubeconfig, num, timeout_s, poll_s, started))
+    await started.wait()
+    create_s = await create_all(kubeconfig, num)
+    return create_s, await watcher
+
+
+def steady_state(
+    cluster, op: OperatorProcess, stats: ProcStats, num: int, settle_s: float, window_s: float
+) -> dict[str, Any]:
+    """API requests per service per minute attributable to the operator (running window minus stopped)."""
+    print(f"steady state: settling {settle_s:.0f}s, then two {window_s:.0f}s windows", file=sys.stderr)
+    time.sleep(settle_s)
+    cpu0 = stats.cpu_s()
+    a0 = apiserver_counters(cluster)
+    time.sleep(window_s)
+    a1 = apiserver_counters(cluster)
+    cpu_percent = round(100 * (stats.cpu_s() - cpu0) / window_s, 2)
+    rss_peak = round(stats.rss_mb("VmHWM"), 1)
+    op.stop()  # releases the Lease; nothing else changes in the cluster
+    b0 = apiserver_counters(cluster)
+    time.sleep(window_s)
+    b1 = apiserver_counters(cluster)
+    running = counter_delta(a0, a1, "apiserver_request_total")
+    stopped = counter_delta(b0, b1, "apiserver_request_total")
+    by_sa = counter_delta(a0, a1, "apiserver_flowcontrol_dispatched_requests_total", flow_schema="service-accounts")
+    minutes = window_s / 60
+    return {
+        "settle_s": settle_s,
+        "window_s": window_s,
+        "requests_running": running,
+        "requests_stopped": stopped,
+        "operator_requests_per_service_per_minute": round((running - stopped) / num / minutes, 4),
+        "apf_service_account_requests": by_sa,
+        "apf_service_account_requests_per_service_per_minute": round(by_sa / num / minutes, 4),
+        "operator_cpu_percent_in_window": cpu_percent,
+        "operator_rss_peak_mb": rss_peak,
+        "running_by_kind": dict(list(requests_by_kind(a0, a1).items())[:15]),
+        "stopped_by_kind": dict(list(requests_by_kind(b0, b1).items())[:15]),
+    }
+
+
+def plot(timeline: list[dict[str, Any]], num: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [p["t"] for p in timeline]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("engines", "engine Deployments created"), ("engines_ready", "engine pods ready"),
+                       ("ready", "InferenceServices Ready")):  # fmt: skip
+        ax.plot(t, [p[key] for p in timeline], label=label)
+    ax.axhline(num, color="grey", linewidth=0.5)
+    ax.set_xlabel("seconds since the first create")
+    ax.set_ylabel("count")
+    ax.set_title(f"{num} InferenceServices on KWOK nodes (shared 2-core machine)")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    patch_component_flags()
+    num = args.services
     state = Path(tempfile.mkdtemp(prefix="tidepool-opscale-"))
     t_cluster = time.monotonic()
-    cluster = devcluster.DevCluster(num_nodes=num_nodes, state_dir=state / "cluster", timeout_s=max(120, num_nodes))
+    timeout = max(120, args.nodes)
+    cluster = devcluster.DevCluster(num_nodes=args.nodes, state_dir=state / "cluster", timeout_s=timeout)
     cluster.start()
-    result: dict[str, Any] = {"services": num_services, "nodes": num_nodes, "resync_seconds": resync_s}
+    result: dict[str, Any] = {"services": num, "nodes": args.nodes, "component_flags": COMPONENT_FLAGS}
+    op: OperatorProcess | None = None
     try:
         result["cluster_start_s"] = round(time.monotonic() - t_cluster, 1)
         install_crd(cluster)
         cluster.kubectl("create", "namespace", NAMESPACE)
         restricted_namespace(cluster, NAMESPACE)
         identity = operator_identity(cluster, state)
-        op = OperatorProcess(identity.kubeconfig, [NAMESPACE], state / "operator.log", resync_seconds=resync_s)
+        op = OperatorProcess(identity.kubeconfig, [NAMESPACE], state / "operator.log")
         op.start()
         assert op.proc is not None
         stats = ProcStats(op.proc.pid)
-        time.sleep(3)  # kopf up and watching before the clock starts
+        time.sleep(5)  # operator up, leader, caches synced before the clock starts
         cpu0, load0 = stats.cpu_s(), os.getloadavg()
+        components = {name: ProcStats(pid) for name, pid in cluster.pids.items()}
+        component_cpu0 = {name: c.cpu_s() for name, c in components.items()}
         result["operator_rss_idle_mb"] = round(stats.rss_mb(), 1)
-        t0 = time.monotonic()
-        result["create_all_s"] = round(asyncio.run(create_all(cluster.kubeconfig, num_services)), 2)
-        ready = 0
-        phases: dict[str, float] = {}  # first time each count reached N, seconds from the first create
-        with tqdm(total=num_services, desc="Ready", unit="svc") as bar:
-            while time.monotonic() - t0 < timeout_s:
-                counts = asyncio.run(progress(cluster.kubeconfig))
-                now = round(time.monotonic() - t0, 1)
-                for key, value in counts.items():
-                    if value >= num_services:
-                        phases.setdefault(f"all_{key}_s", now)
-                ready = counts["ready"]
-                bar.update(ready - bar.n)
-                if ready == num_services:
-                    break
-                time.sleep(1.0)
-        elapsed = time.monotonic() - t0
-        result["phases"] = phases
+        create_s, timeline = asyncio.run(create_and_watch(cluster.kubeconfig, num, args.timeout, args.poll))
+        result["create_all_s"] = round(create_s, 2)
+        elapsed = timeline[-1]["t"]
+        ready = timeline[-1]["ready"]
+        phases = {}
+        for key in ("engines", "engines_ready", "ready"):
+            phases[f"all_{key}_s"] = next((p["t"] for p in timeline if p[key] >= num), None)
         result.update(
-            all_ready=ready == num_services,
+            phases=phases,
+            all_ready=ready == num,
             num_ready=ready,
-            time_to_all_ready_s=round(elapsed, 1) if ready == num_services else None,
-            waited_s=round(elapsed, 1),
-            operator_cpu_s=round(stats.cpu_s() - cpu0, 1),
-            operator_cpu_percent=round(100 * (stats.cpu_s() - cpu0) / elapsed, 1),
-            operator_rss_peak_mb=round(stats.rss_mb("VmHWM"), 1),
-            operator_rss_end_mb=round(stats.rss_mb(), 1),
+            time_to_all_ready_s=elapsed if ready == num else None,
+            operator_cpu_s_to_ready=round(stats.cpu_s() - cpu0, 1),
+            # Where the machine's time went meanwhile (each component's utime+stime).
+            component_cpu_s_to_ready={n: round(c.cpu_s() - component_cpu0[n], 1) for n, c in components.items()},
+            operator_rss_peak_mb_to_ready=round(stats.rss_mb("VmHWM"), 1),
             load_average_before=[round(x, 2) for x in load0],
-            load_average_after=[round(x, 2) for x in os.getloadavg()],
+            load_average_at_ready=[round(x, 2) for x in os.getloadavg()],
+            timeline=timeline,
         )
+        if ready == num and args.window > 0:
+            result["steady_state"] = steady_state(cluster, op, stats, num, args.settle, args.window)
+        else:
+            result["operator_rss_peak_mb"] = round(stats.rss_mb("VmHWM"), 1)
         op.stop()
         log = op.log_text()
-        # kopf logs every TemporaryError ("not ready yet" while pods start) at ERROR; count the others.
-        errors = [line for line in log.splitlines() if " ERROR " in line and "not ready yet" not in line]
+        errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
         result["operator_errors_logged"] = len(errors)
         result["operator_error_samples"] = errors[:5]
         result["operator_forbidden"] = len(op.forbidden_lines())
-    finally:
-        cluster.stop()
-        if keep_state:
+        if args.keep_state:
             print(f"state (logs, kubeconfigs) kept in {state}", file=sys.stderr)
-        else:
+    finally:
+        if op is not None:
+            op.stop()
+        cluster.stop()
+        if not args.keep_state:
             shutil.rmtree(state, ignore_errors=True)
     result["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "shared": True}
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup (cluster, operator) on kill
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--services", type=int, default=100, help="InferenceServices to create (N)")
     parser.add_argument("--nodes", type=int, default=100, help="KWOK GPU nodes with 8 GPUs each (M)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="give up waiting for Ready after this")
-    parser.add_argument("--resync-seconds", type=float, default=60.0, help="the operator's resync timer")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up waiting for Ready after this")
+    parser.add_argument("--poll", type=float, default=1.0, help="seconds between samples of the counts")
+    parser.add_argument("--settle", type=float, default=300.0, help="steady state: wait this long after all Ready")
+    parser.add_argument("--window", type=float, default=120.0, help="steady state: each measuring window (0: skip)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--keep-state", action="store_true", help="keep the cluster's and operator's logs")
     args = parser.parse_args(argv)
     if args.services * 1 > args.nodes * devcluster.GPUS_PER_NODE:
         parser.error(f"{args.services} one-GPU services do not fit on {args.nodes} nodes of {devcluster.GPUS_PER_NODE}")
-    result = run(args.services, args.nodes, args.timeout, args.resync_seconds, args.keep_state)
+    result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"operator_scale_n{args.services}_m{args.nodes}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    stem = args.out / f"operator_scale_n{args.services}_m{args.nodes}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result["timeline"], args.services, stem.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in result.items() if k != "timeline"}, indent=2))
+    print(f"wrote {stem}.json and {stem}.png")
     return 0 if result["all_ready"] else 1
 
 

@@ -1,33 +1,40 @@
-"""A small asyncio Kubernetes REST client for the reconciler (aiohttp; kopf already depends on it).
+"""A small asyncio Kubernetes REST client for the controller (aiohttp; kopf already depends on it).
 
 Why not the `kubernetes` package: it is synchronous, deserialises every response into models and
-adds ~50 MB to the operator's RSS. The reconciler needs a handful of verbs on plain dicts: get, list
-(label selector), server-side apply (one field manager, force), delete, merge-patch of status, and
-API discovery. Credentials come from the pod's ServiceAccount (in-cluster) or a kubeconfig with a
-token or client certificate (exec plugins are not supported); the same credentials feed kopf's
-login handler (`connection_info()`), so both talk to the server as the same identity.
+adds ~50 MB to the operator's RSS. The controller needs a handful of verbs on plain dicts: paged
+list and watch (label-selected, for the informer caches), server-side apply (one field manager,
+force), create/replace (the leader Lease), delete with a uid precondition, merge patches with a
+resourceVersion precondition (status), and API discovery.
 
-Invariants: no module-level state; one aiohttp session per client; a 401 re-reads a token file
-once (projected ServiceAccount tokens rotate) and retries.
+Invariants: no module-level state; one aiohttp session per client; every request first takes a
+token from the client's bucket (QPS/burst, like client-go); a 429 (API Priority and Fairness, or
+any throttling) is retried after the server's Retry-After, a bounded number of times; a 401
+re-reads a token file once (projected ServiceAccount tokens rotate) and retries.
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
 import json
-import os
+import logging
 import ssl
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import aiohttp
-import yaml
+
+from tidepool.operator.credentials import SA_DIR, Credentials, load_credentials
+from tidepool.operator.ratelimit import TokenBucket
+
+__all__ = ["FIELD_MANAGER", "RESOURCES", "SA_DIR", "ApiError", "Credentials", "KubeClient", "load_credentials"]
 
 FIELD_MANAGER = "tidepool-operator"
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+MAX_THROTTLE_RETRIES = 8
+MAX_RETRY_AFTER_S = 30.0
+logger = logging.getLogger("tidepool.operator.k8s")
 
 # kind -> (api prefix path, plural) for everything the operator manages or reads.
 RESOURCES: dict[str, tuple[str, str]] = {
@@ -45,86 +52,20 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
     "InferenceService": ("/apis/tidepool.dev/v1alpha1", "inferenceservices"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),
 }
 
 
 class ApiError(RuntimeError):
     """A non-2xx answer from the API server; `status` is the HTTP code, the message is the server's."""
 
-    def __init__(self, status: int, message: str, reason: str = "") -> None:
+    def __init__(self, status: int, message: str, reason: str = "", retry_after: float | None = None) -> None:
         super().__init__(f"HTTP {status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class Credentials:
-    server: str
-    ca_file: str | None = None
-    insecure: bool = False
-    token: str | None = None
-    token_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    namespace: str | None = None
-
-    def current_token(self) -> str | None:
-        if self.token_file:
-            return Path(self.token_file).read_text().strip()
-        return self.token
-
-
-def _materialise(data_b64: str | None, path: str | None, base: Path, suffix: str) -> str | None:
-    """kubeconfig `*-data` fields are base64 PEM; ssl wants files. Write them 0600 into a private temp dir."""
-    if path:
-        return str((base / path).resolve()) if not os.path.isabs(path) else path
-    if not data_b64:
-        return None
-    fd, out = tempfile.mkstemp(prefix="tidepool-", suffix=suffix)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(base64.b64decode(data_b64))
-    return out
-
-
-def load_credentials(kubeconfig: str | None = None, context: str | None = None) -> Credentials:
-    """In-cluster ServiceAccount when no kubeconfig is given (or $KUBECONFIG unset) and we run in a pod."""
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
-    if not kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        host = f"[{host}]" if ":" in host else host
-        ns_file = SA_DIR / "namespace"
-        return Credentials(
-            server=f"https://{host}:{port}",
-            ca_file=str(SA_DIR / "ca.crt"),
-            token_file=str(SA_DIR / "token"),
-            namespace=ns_file.read_text().strip() if ns_file.exists() else None,
-        )
-    path = Path(kubeconfig or Path.home() / ".kube" / "config")
-    if not path.exists():
-        raise RuntimeError(f"no kubeconfig at {path} and not running in a pod; pass --kubeconfig")
-    cfg = yaml.safe_load(path.read_text()) or {}
-    ctx_name = context or cfg.get("current-context")
-    ctx = next((c["context"] for c in cfg.get("contexts", []) if c["name"] == ctx_name), None)
-    if ctx is None:
-        raise RuntimeError(f"kubeconfig {path}: context {ctx_name!r} not found")
-    cluster = next(c["cluster"] for c in cfg.get("clusters", []) if c["name"] == ctx["cluster"])
-    user = next((u["user"] for u in cfg.get("users", []) if u["name"] == ctx.get("user")), {}) or {}
-    if "exec" in user or "auth-provider" in user:
-        raise RuntimeError(f"kubeconfig {path}: exec/auth-provider users are not supported; use a token")
-    base = path.parent
-    return Credentials(
-        server=cluster["server"].rstrip("/"),
-        ca_file=_materialise(
-            cluster.get("certificate-authority-data"), cluster.get("certificate-authority"), base, ".crt"
-        ),
-        insecure=bool(cluster.get("insecure-skip-tls-verify")),
-        token=user.get("token"),
-        token_file=user.get("tokenFile"),
-        cert_file=_materialise(user.get("client-certificate-data"), user.get("client-certificate"), base, ".crt"),
-        key_file=_materialise(user.get("client-key-data"), user.get("client-key"), base, ".key"),
-        namespace=ctx.get("namespace"),
-    )
+        self.retry_after = retry_after
 
 
 def resource_path(kind: str, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
@@ -142,14 +83,25 @@ def object_path(obj: dict[str, Any], sub: str | None = None) -> str:
     return resource_path(obj["kind"], meta.get("namespace"), meta["name"], sub)
 
 
+def _retry_after(resp: aiohttp.ClientResponse) -> float:
+    try:
+        return min(max(float(resp.headers.get("Retry-After", "1")), 0.0), MAX_RETRY_AFTER_S)
+    except ValueError:  # an HTTP date instead of seconds: the server only asks for "later"
+        return 1.0
+
+
 class KubeClient:
     """Async REST calls with one aiohttp session. Use `async with KubeClient(creds) as client:`."""
 
-    def __init__(self, creds: Credentials, max_connections: int = 32) -> None:
+    def __init__(self, creds: Credentials, max_connections: int = 32, qps: float = 0.0, burst: int = 1) -> None:
         self.creds = creds
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self.limiter = TokenBucket(qps, max(burst, 1))
         self.num_requests = 0
+        self.requests_by_verb: Counter[str] = Counter()
+        self.seconds_by_verb: Counter[str] = Counter()  # time from asking for a token to the answer
+        self.num_throttled = 0  # 429 answers, each retried after Retry-After
 
     async def __aenter__(self) -> KubeClient:
         await self.open()
@@ -178,6 +130,16 @@ class KubeClient:
             await self._session.close()
             self._session = None
 
+    def _headers(self, content_type: str) -> dict[str, str]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        token = self.creds.current_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return headers
+
+    def _url(self, path: str, params: dict[str, str] | None) -> str:
+        return self.creds.server + path + (f"?{urlencode(params)}" if params else "")
+
     async def request(
         self,
         method: str,
@@ -190,18 +152,40 @@ class KubeClient:
         session = self._session
         if session is None:
             raise RuntimeError("KubeClient session is closed")
-        url = self.creds.server + path + (f"?{urlencode(params)}" if params else "")
-        data = None if body is None else json.dumps(body)
-        for attempt in range(2):
-            headers = {"Accept": "application/json", "Content-Type": content_type}
-            token = self.creds.current_token()
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
+        url = self._url(path, params)
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        reauthenticated = False
+        started = time.monotonic()
+        try:
+            return await self._request(session, method, url, path, data, content_type, reauthenticated)
+        finally:
+            self.seconds_by_verb[method] += time.monotonic() - started
+
+    async def _request(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        url: str,
+        path: str,
+        data: str | None,
+        content_type: str,
+        reauthenticated: bool,
+    ) -> dict[str, Any]:
+        for _attempt in range(MAX_THROTTLE_RETRIES + 2):
+            await self.limiter.acquire()
             self.num_requests += 1
-            async with session.request(method, url, data=data, headers=headers) as resp:
+            self.requests_by_verb[method] += 1
+            async with session.request(method, url, data=data, headers=self._headers(content_type)) as resp:
                 raw = await resp.read()
-                if resp.status == 401 and attempt == 0 and self.creds.token_file:
+                if resp.status == 401 and not reauthenticated and self.creds.token_file:
+                    reauthenticated = True
                     continue  # the projected token may have rotated under us: re-read and retry once
+                if resp.status == 429:
+                    self.num_throttled += 1
+                    delay = _retry_after(resp)
+                    logger.info("API server throttled %s %s (429); retrying after %.1fs", method, path, delay)
+                    await asyncio.sleep(delay)
+                    continue
                 try:
                     payload: dict[str, Any] = json.loads(raw) if raw else {}
                 except ValueError:  # e.g. "404 page not found" for an API group that is not served
@@ -211,7 +195,7 @@ class KubeClient:
                         resp.status, payload.get("message", raw.decode(errors="replace")), payload.get("reason", "")
                     )
                 return payload
-        raise ApiError(401, "unauthorized after re-reading the token", "Unauthorized")
+        raise ApiError(429, f"{method} {path}: still throttled after {MAX_THROTTLE_RETRIES} retries", "TooManyRequests")
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -221,15 +205,71 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
+    async def get_object(self, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        return await self.get(resource_path(kind, namespace, name))
+
+    async def list_page(
+        self, kind: str, namespace: str | None, label_selector: str | None, limit: int = 500, cont: str = ""
+    ) -> tuple[list[dict[str, Any]], str, str]:
+        """One page of a list: (items with kind/apiVersion set, the list's resourceVersion, continue token)."""
+        params = {"limit": str(limit)}
+        if label_selector:
+            params["labelSelector"] = label_selector
+        if cont:
+            params["continue"] = cont
         answer = await self.request("GET", resource_path(kind, namespace), params=params)
-        items = answer.get("items", [])
+        items = answer.get("items") or []
         api_version = answer.get("apiVersion", "v1")
-        for item in items:  # list items carry no kind/apiVersion; the reconciler compares on them
+        for item in items:  # list items carry no kind/apiVersion; the controller compares on them
             item.setdefault("kind", kind)
             item.setdefault("apiVersion", api_version)
+        meta = answer.get("metadata") or {}
+        return items, meta.get("resourceVersion", ""), meta.get("continue", "")
+
+    async def list(self, kind: str, namespace: str | None, label_selector: str | None = None) -> list[dict[str, Any]]:
+        """Every item (all pages). The controller reads from its caches; this serves tools and tests."""
+        items, _, cont = await self.list_page(kind, namespace, label_selector)
+        while cont:
+            more, _, cont = await self.list_page(kind, namespace, label_selector, cont=cont)
+            items += more
         return items
+
+    async def watch(
+        self, kind: str, namespace: str | None, label_selector: str | None, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events ({type, object}) from `resource_version` with bookmarks, until the server ends it."""
+        await self.open()
+        session = self._session
+        if session is None:
+            raise RuntimeError("KubeClient session is closed")
+        params = {
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(int(timeout_s)),
+        }
+        if label_selector:
+            params["labelSelector"] = label_selector
+        await self.limiter.acquire()
+        self.num_requests += 1
+        self.requests_by_verb["WATCH"] += 1
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 60)
+        url = self._url(resource_path(kind, namespace), params)
+        async with session.get(url, headers=self._headers("application/json"), timeout=timeout) as resp:
+            if resp.status >= 400:
+                raw = await resp.read()
+                retry = _retry_after(resp) if resp.status == 429 else None
+                raise ApiError(resp.status, raw.decode(errors="replace")[:500], "", retry_after=retry)
+            buffer = bytearray()
+            async for chunk in resp.content.iter_any():
+                buffer += chunk
+                start = 0
+                while (end := buffer.find(b"\n", start)) >= 0:
+                    line = bytes(buffer[start:end])
+                    start = end + 1
+                    if line.strip():
+                        yield json.loads(line)
+                del buffer[:start]
 
     async def apply(self, obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
         """Server-side apply as FIELD_MANAGER (force: we own every field we set; hand edits lose)."""
@@ -237,6 +277,14 @@ class KubeClient:
         return await self.request(
             "PATCH", object_path(obj), body=obj, params=params, content_type="application/apply-patch+yaml"
         )
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        return await self.request("POST", resource_path(obj["kind"], meta.get("namespace")), body=obj)
+
+    async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT: fails with 409 unless metadata.resourceVersion is still current (compare-and-swap)."""
+        return await self.request("PUT", object_path(obj), body=obj)
 
     async def delete(self, obj: dict[str, Any]) -> None:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
@@ -249,13 +297,22 @@ class KubeClient:
             if exc.status not in (404, 409):
                 raise
 
-    async def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+    async def patch_merge(
+        self, kind: str, namespace: str, name: str, body: dict[str, Any], sub: str | None = None
+    ) -> dict[str, Any]:
+        """A JSON merge patch; a `metadata.resourceVersion` in `body` makes it conditional (409 if stale)."""
         return await self.request(
-            "PATCH",
-            resource_path(kind, namespace, name, "status"),
-            body={"status": status},
-            content_type="application/merge-patch+json",
+            "PATCH", resource_path(kind, namespace, name, sub), body=body, content_type="application/merge-patch+json"
         )
+
+    async def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any], resource_version: str | None = None
+    ) -> dict[str, Any]:
+        """Merge-patch the status subresource; with `resource_version` only if the object is unchanged."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return await self.patch_merge(kind, namespace, name, body, sub="status")
 
     async def has_kind(self, group_version: str, kind: str) -> bool:
         """API discovery: is `kind` served under `group_version` (e.g. 'leaderworkerset.x-k8s.io/v1')?"""

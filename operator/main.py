@@ -1,9 +1,12 @@
-"""`tidepool operator`: run the InferenceService controller (kopf, standalone, no peering).
+"""`tidepool operator`: run the InferenceService controller (kopf process, watch-driven controller).
 
 Watches the given namespaces (`-n/--namespace`, repeatable) or the whole cluster (default), with
 credentials from `--kubeconfig` / $KUBECONFIG, else the pod's ServiceAccount (the chart's RBAC; no
 admin rights needed). Serves kopf's liveness probe on `--liveness` (default http://0.0.0.0:8080/healthz).
-SIGTERM/SIGINT stop it cleanly; a crash or SIGKILL loses nothing (all state is in the cluster).
+With leader election (the default) several replicas may run: one reconciles, the others wait on
+the Lease `--leader-election-id` in `--leader-election-namespace` (default: the pod's namespace).
+SIGTERM/SIGINT stop it cleanly and release the Lease; a crash or SIGKILL loses nothing (all state,
+the autoscaler's included, is in the cluster).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,8 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", default=None, help="kubeconfig context; default its current-context")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
     parser.add_argument(
-        "--resync-seconds", type=float, default=60.0, help="re-reconcile every object this often (reverts hand edits)"
+        "--resync-seconds",
+        type=float,
+        default=600.0,
+        help="compare every object with its spec this often (+-10%%), a safety net: watches drive reconciles",
     )
+    parser.add_argument("--workers", type=int, default=16, help="InferenceServices reconciled concurrently")
+    parser.add_argument("--kube-api-qps", type=float, default=200.0, help="API requests per second (token bucket)")
+    parser.add_argument("--kube-api-burst", type=int, default=400, help="API requests allowed in a burst")
+    election = parser.add_argument_group("leader election (several replicas, one reconciles)")
+    election.add_argument(
+        "--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="hold a Lease before reconciling"
+    )
+    election.add_argument("--leader-election-id", default="tidepool-operator", help="name of the Lease")
+    election.add_argument(
+        "--leader-election-namespace", default=None, help="namespace of the Lease; default the pod's own"
+    )
+    election.add_argument("--lease-duration-seconds", type=float, default=15.0, help="a dead leader's Lease expiry")
+    election.add_argument("--renew-deadline-seconds", type=float, default=10.0, help="a leader unable to renew quits")
+    election.add_argument("--retry-period-seconds", type=float, default=5.0, help="renew / poll interval")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; sizes multi-node replicas")
     parser.add_argument("--router-image", default=None, help="router image; default: each service's engine image")
     parser.add_argument(
@@ -42,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag, value in (("resync-seconds", args.resync_seconds), ("gpus-per-node", args.gpus_per_node)):
+    positive = (
+        ("resync-seconds", args.resync_seconds),
+        ("gpus-per-node", args.gpus_per_node),
+        ("workers", args.workers),
+        ("kube-api-burst", args.kube_api_burst),
+    )
+    for flag, value in positive:
         if value <= 0:
             print(f"tidepool operator: error: --{flag} must be > 0", file=sys.stderr)
             return 2
@@ -54,34 +81,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     kopf.configure(log_format=kopf.LogFormat.FULL, log_prefix=True, debug=args.log_level == "DEBUG")
     logging.getLogger().setLevel(args.log_level)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    from tidepool.operator.autoscaler import handlers as autoscaler
-    from tidepool.operator.handlers import OperatorOptions, register
+    from tidepool.operator.handlers import OperatorOptions, identity, lease_namespace, register
     from tidepool.operator.k8s import load_credentials
+    from tidepool.operator.leader import LeaseConfig
 
     try:
         creds = load_credentials(args.kubeconfig, args.context)
     except (RuntimeError, OSError, KeyError, StopIteration) as exc:
         print(f"tidepool operator: error: cannot load credentials: {exc}", file=sys.stderr)
         return 2
+    lease = None
+    if args.leader_elect:
+        try:
+            lease = LeaseConfig(
+                namespace=lease_namespace(creds, args.leader_election_namespace),
+                name=args.leader_election_id,
+                identity=identity(),
+                lease_duration_s=args.lease_duration_seconds,
+                renew_deadline_s=args.renew_deadline_seconds,
+                retry_period_s=args.retry_period_seconds,
+            )
+        except ValueError as exc:
+            print(f"tidepool operator: error: {exc}", file=sys.stderr)
+            return 2
     options = OperatorOptions(
+        namespaces=args.namespace,
         resync_seconds=args.resync_seconds,
+        workers=args.workers,
+        kube_api_qps=args.kube_api_qps,
+        kube_api_burst=args.kube_api_burst,
+        lease=lease,
         gpus_per_node=args.gpus_per_node,
         router_image=args.router_image,
         hf_download_image=args.hf_download_image,
         s3_download_image=args.s3_download_image,
+        metrics_port=int(os.environ.get("TIDEPOOL_OPERATOR_METRICS_PORT", "9090")),
     )
     registry = kopf.OperatorRegistry()
     register(registry, creds, options)
-    autoscaler.register(registry)  # the autoscaler timer (operator/autoscaler/handlers.py)
     scope = f"namespaces {', '.join(args.namespace)}" if args.namespace else "all namespaces"
-    logger.info("tidepool operator starting: %s, API server %s, liveness %s", scope, creds.server, args.liveness)
+    election = f"lease {lease.namespace}/{lease.name} as {lease.identity}" if lease else "no leader election"
+    logger.info("tidepool operator starting: %s, API server %s, %s", scope, creds.server, election)
     asyncio.run(
         kopf.operator(
             registry=registry,
             standalone=True,
-            clusterwide=not args.namespace,
-            namespaces=args.namespace,
+            clusterwide=True,  # kopf itself watches nothing; the controller watches the namespaces above
             liveness_endpoint=args.liveness,
             memo=kopf.Memo(),
         )

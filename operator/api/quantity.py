@@ -87,3 +87,12 @@ def canonical_quantity(value: str | int) -> str:
     if family == "exponent" or exponent not in _DECIMAL_SUFFIX:  # no SI suffix above E: exponent notation
         return f"{mantissa}e{exponent}" if exponent else str(mantissa)
     return f"{mantissa}{_DECIMAL_SUFFIX[exponent]}"
+
+
+def same_quantity(a: object, b: object) -> bool:
+    """True when both are quantities a resource list holds as the same amount (`"0.5"` and `"500m"`,
+    `"1Gi"` and `"1024Mi"`): drift checks compare a hand-written value with the builders' by amount."""
+    try:
+        return quantity_value(a) == quantity_value(b)  # type: ignore[arg-type]
+    except ValueError:
+        return False

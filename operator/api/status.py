@@ -59,6 +59,9 @@ class PoolStatus(StatusModel):
 
     replicas: int = Field(default=0, ge=0, description="Pods (replicas) that exist.")
     ready_replicas: int = Field(default=0, ge=0, description="Replicas passing readiness.")
+    updated_replicas: int | None = Field(
+        default=None, ge=0, description="Replicas whose pods all run the current spec's template."
+    )
     desired_replicas: int = Field(default=0, ge=0, description="Replicas the operator is driving towards.")
 
 
@@ -73,8 +76,15 @@ class AutoscalingPoolStatus(StatusModel):
     )
 
 
+class Recommendation(StatusModel):
+    """One raw recommendation the autoscaler remembers for its stabilization windows."""
+
+    time: Timestamp = Field(description="When it was made (RFC 3339).")
+    replicas: dict[str, int] = Field(default_factory=dict, max_length=3, description="Replicas per pool.")
+
+
 class AutoscalingStatus(StatusModel):
-    """The autoscaler's last decision."""
+    """The autoscaler's last decision, and the state it resumes from after an operator restart."""
 
     mode: Literal["active", "advisory"] | None = Field(default=None, description="Mode the decision was made in.")
     last_scale_time: Timestamp | None = Field(default=None, description="When replicas were last changed.")
@@ -83,6 +93,17 @@ class AutoscalingStatus(StatusModel):
     )
     pools: dict[str, AutoscalingPoolStatus] = Field(
         default_factory=dict, max_length=3, description="Per-pool desired replicas and inputs."
+    )
+    limited: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Why the last decision could not scale as far as it wanted (bounds, capacity)."
+    )
+    last_active_time: Timestamp | None = Field(
+        default=None, description="Last time a pool saw a request (scale to zero counts idleness from it)."
+    )
+    recommendations: list[Recommendation] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Recent raw recommendations within the stabilization windows (oldest first).",
     )
 
 

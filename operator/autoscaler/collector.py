@@ -7,8 +7,8 @@ times out or answers garbage counts in `num_pods_failed`, which the policy reads
 never scale down".
 
 Sources (pluggable, so tests feed synthetic metrics; KWOK pods have no real IPs):
-- `EndpointsSource`: pod IPs from the pool's EndpointSlices (`kubernetes.io/service-name` =
-  `<service>-<pool>`, ready endpoints only), scraped over HTTP with httpx and a timeout.
+- `PodsSource`: the IPs of the pool's ready pods from the operator's pod cache (fed by its watch,
+  so scraping costs the API server nothing), scraped over HTTP with httpx and a timeout.
 - `PrometheusSource`: a Prometheus server's `/federate` (operator env TIDEPOOL_PROMETHEUS_URL),
   series split into pods by their `pod` label.
 - `UrlTemplateSource`: one URL per pool from a template (operator flag
@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
+
+from tidepool.operator.cache import PodInfo
 
 from .metrics import MetricsParseError, PodMetrics, held_requests_by_pool, pod_metrics_from_text
 from .window import PoolWindow, Scrape
@@ -122,23 +125,28 @@ class PrometheusSource:
         }
 
 
-class EndpointsSource:
-    """Ready pod IPs from EndpointSlices (`<name>-<pool>` and `<name>-router`), scraped over httpx."""
+class PodsSource:
+    """Ready pods' IPs from the operator's pod cache (no API request), scraped over httpx.
 
-    def __init__(self, kube, client: httpx.AsyncClient, timeout_s: float = 2.0) -> None:
-        self.kube, self.client, self.timeout_s = kube, client, timeout_s
+    Only rank 0 of a multi-node replica serves HTTP, so only it is scraped; the router's pods
+    (pool "router") give the held requests."""
 
-    async def _ready(self, namespace: str, service: str) -> list[tuple[str, str, int]]:
-        slices = await self.kube.list("EndpointSlice", namespace, f"kubernetes.io/service-name={service}")
-        found = []
-        for item in slices:
-            port = next((p.get("port") for p in item.get("ports") or [] if p.get("port")), None)
-            for endpoint in item.get("endpoints") or []:
-                if (endpoint.get("conditions") or {}).get("ready") is False:
-                    continue
-                pod = (endpoint.get("targetRef") or {}).get("name") or endpoint["addresses"][0]
-                found.append((pod, endpoint["addresses"][0], port))
-        return found
+    def __init__(
+        self,
+        pods_of: Callable[[str, str], Sequence[PodInfo]],
+        client: httpx.AsyncClient,
+        timeout_s: float = 2.0,
+        port_of: Callable[[PodInfo], int] | None = None,
+    ) -> None:
+        self.pods_of, self.client, self.timeout_s = pods_of, client, timeout_s
+        self.port_of = port_of or (lambda pod: ROUTER_PORT if pod.pool == "router" else ENGINE_PORT)
+
+    def _ready(self, namespace: str, name: str, pool: str) -> list[tuple[str, str, int]]:
+        return [
+            (p.name, p.ip, self.port_of(p))
+            for p in self.pods_of(namespace, name)
+            if p.pool == pool and p.is_ready and p.ip and p.rank == 0
+        ]
 
     async def _get(self, ip: str, port: int) -> str | None:
         host = f"[{ip}]" if ":" in ip else ip
@@ -150,14 +158,12 @@ class EndpointsSource:
             return None
 
     async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]:
-        routers = await self._ready(namespace, f"{name}-router")
-        router_bodies = [
-            b for b in await asyncio.gather(*(self._get(ip, p or ROUTER_PORT) for _, ip, p in routers)) if b
-        ]
+        routers = self._ready(namespace, name, "router")
+        router_bodies = [b for b in await asyncio.gather(*(self._get(ip, port) for _, ip, port in routers)) if b]
         out = {}
         for pool in pools:
-            pods = await self._ready(namespace, f"{name}-{pool}")
-            bodies = await asyncio.gather(*(self._get(ip, port or ENGINE_PORT) for _, ip, port in pods))
+            pods = self._ready(namespace, name, pool)
+            bodies = await asyncio.gather(*(self._get(ip, port) for _, ip, port in pods))
             answered = {pod: body for (pod, _, _), body in zip(pods, bodies, strict=True) if body is not None}
             out[pool] = PoolBodies(answered, len(pods) - len(answered), router_bodies)
         return out

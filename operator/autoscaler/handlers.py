@@ -1,22 +1,27 @@
-"""Actuation: a kopf timer per InferenceService that collects, decides and (active mode) scales.
+"""Actuation: the autoscaler's step for one InferenceService, run by the controller under its key.
 
 Every `TIDEPOOL_AUTOSCALE_INTERVAL` seconds (default 15) for each InferenceService with
-`autoscaling.enabled`: scrape its pools (collector), read current replicas and unschedulable pods,
-run `policy.decide`, then
-- active: store the decision in the reconcile seam (`OperatorState.replicas_overrides` and
-  `scaling_limits`, keyed by (namespace, name)) and reconcile at once when replicas change, so
-  the builders render the new `replicas_by_pool`;
-- advisory: change nothing but status, an Event and the metrics;
-- always: merge-patch `status.autoscaling` (mode, lastScaleTime, lastDecision, per-pool
-  desiredReplicas and inputs), an Event on every scale decision, operator metrics.
-With autoscaling disabled the seam is cleared and HPA/KEDA may drive the scale subresource.
+`autoscaling.enabled`, the controller's worker for that object (so never concurrently with its
+reconcile) calls `Autoscaler.tick`: scrape the pools (collector), read current replicas and
+unschedulable pods (the pod cache), run `policy.decide`, then write `status.autoscaling`:
+mode, lastScaleTime, lastDecision, per-pool desiredReplicas and inputs, `limited`, and the policy's
+stabilization state (recent recommendations, lastActiveTime). In active mode the reconcile that
+follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas()`); in advisory
+mode nothing but status, an Event and the metrics change. With autoscaling disabled the spec's
+replicas apply and HPA/KEDA may drive the scale subresource.
 
-Environment (keeps `tidepool operator`'s flags untouched): TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE
-(synthetic feed, see collector.UrlTemplateSource), else TIDEPOOL_PROMETHEUS_URL (read a Prometheus
-server's /federate), else scrape the pods found in EndpointSlices; TIDEPOOL_AUTOSCALE_INTERVAL,
-TIDEPOOL_AUTOSCALE_WINDOW (metrics window, 60 s), TIDEPOOL_OPERATOR_METRICS_PORT (prometheus-client
-endpoint, default 9090; 0 disables).
-State (windows, histories) lives in kopf's memo; losing it only costs one window of data.
+Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
+operator resumes from it without scaling anything down: replicas come from status, and the
+stabilization state is read back with its times moved `PERSIST_S` later (status is refreshed at
+least that often, so restored times are never earlier than the truth; a restart can delay a
+scale-down by at most `PERSIST_S`, never hasten one). Only the metrics windows live in memory
+(losing them costs one window; incomplete data never scales down). Status is written when the
+decision changes, else at most every `PERSIST_S`, with the resourceVersion it was computed from.
+
+Environment: TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE (synthetic feed, see collector.UrlTemplateSource),
+else TIDEPOOL_PROMETHEUS_URL (a Prometheus server's /federate), else the ready pods in the
+operator's cache; TIDEPOOL_AUTOSCALE_INTERVAL, TIDEPOOL_AUTOSCALE_WINDOW (metrics window, 60 s),
+TIDEPOOL_OPERATOR_METRICS_PORT (prometheus-client endpoint, default 9090; 0 disables).
 """
 
 from __future__ import annotations
@@ -24,81 +29,90 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-import kopf
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge
 
-from tidepool.operator.api import GROUP, KIND, PLURAL, VERSION, now_rfc3339
-from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE
+from tidepool.operator.api import KIND
+from tidepool.operator.cache import PodInfo
 
-from .collector import Collector, EndpointsSource, PrometheusSource, UrlTemplateSource
-from .config import config_from_spec, declared_replicas, is_enabled, pool_names
+from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource
+from .config import config_from_spec, is_enabled, pool_names
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
 
 DECISIONS = Counter("tidepool_autoscaler_decisions", "Autoscaler decisions", ["namespace", "name", "mode", "action"])
 DESIRED = Gauge("tidepool_autoscaler_desired_replicas", "Replicas the autoscaler wants", ["namespace", "name", "pool"])
 CURRENT = Gauge("tidepool_autoscaler_current_replicas", "Replicas when deciding", ["namespace", "name", "pool"])
+PERSIST_S = 60.0
+MAX_RECOMMENDATIONS = 64
+logger = logging.getLogger("tidepool.operator.autoscaler")
+
+Key = tuple[str, str]
+EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 
 
-@dataclass(slots=True)
-class AutoscalerState:
-    collector: Collector
-    http: httpx.AsyncClient
-    histories: dict[tuple[str, str], History] = field(default_factory=dict)
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _state(memo: Any) -> AutoscalerState:
-    state = getattr(memo, "tidepool_autoscaler", None)
-    if state is None:
-        http = httpx.AsyncClient()
-        template = os.environ.get("TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE")
-        prometheus = os.environ.get("TIDEPOOL_PROMETHEUS_URL")
-        if template:
-            source = UrlTemplateSource(template, http)
-        elif prometheus:
-            source = PrometheusSource(prometheus, http)
-        else:
-            source = EndpointsSource(memo.tidepool.client, http)
-        window = float(os.environ.get("TIDEPOOL_AUTOSCALE_WINDOW", "60"))
-        state = memo.tidepool_autoscaler = AutoscalerState(Collector(source, window), http)
-    return state
+def _epoch(text: str | None) -> float | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
-async def current_pools(client: Any, namespace: str, name: str, body: Mapping[str, Any], override: dict | None) -> dict:
-    """Replicas in force per pool and unschedulable pods.
-
-    Replicas: the seam's override; after an operator restart (memo lost) the desiredReplicas the
-    reconcile recorded in status, so a scaled-up pool is not mistaken for its spec's replicas;
-    else the spec.
-    """
+def is_active(body: Mapping[str, Any]) -> bool:
+    """Autoscaling enabled in active mode: its decisions set the replicas."""
     spec = body.get("spec") or {}
-    recorded = (body.get("status") or {}).get("pools") or {}
-    pods = await client.list("Pod", namespace, f"{LABEL_SERVICE}={name}")
-    states = {}
-    for pool in pool_names(spec):
-        replicas = (override or {}).get(pool)
-        if replicas is None:
-            replicas = (recorded.get(pool) or {}).get("desiredReplicas")
-        if replicas is None:
-            replicas = declared_replicas(spec)[pool]
-        stuck = [
-            c.get("message", "")
-            for p in pods
-            if (p["metadata"].get("labels") or {}).get(LABEL_POOL) == pool
-            and p.get("status", {}).get("phase") == "Pending"
-            for c in p["status"].get("conditions") or []
-            if c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
-        ]
-        states[pool] = PoolState(int(replicas), len(stuck), stuck[0] if stuck else "")
-    return states
+    return is_enabled(spec) and (spec.get("autoscaling") or {}).get("mode", "active") == "active"
 
 
-def status_patch(decision: Decision, snapshots: dict[str, PoolSnapshot], previous: dict | None) -> dict:
+def applied_replicas(body: Mapping[str, Any]) -> tuple[dict[str, int] | None, tuple[str, str] | None]:
+    """(replicas per pool, ScalingLimited reason/message) the autoscaler decided, from status; None when off."""
+    auto = (body.get("status") or {}).get("autoscaling") or {}
+    if not is_active(body) or auto.get("mode") != "active":
+        return None, None
+    pools = pool_names(body.get("spec") or {})
+    replicas = {p: int(v["desiredReplicas"]) for p, v in (auto.get("pools") or {}).items() if p in pools}
+    limited = ("CapacityOrBounds", str(auto["limited"])[:1000]) if auto.get("limited") else None
+    return (replicas or None), limited
+
+
+def restore_history(auto: Mapping[str, Any], now: float) -> History:
+    """The policy's state from status, times moved PERSIST_S later (never past now): see the module docstring."""
+
+    def later(t: float | None) -> float | None:
+        return None if t is None else min(t + PERSIST_S, now)
+
+    recs = []
+    for rec in auto.get("recommendations") or []:
+        t = _epoch(rec.get("time"))
+        if t is not None:
+            recs.append((later(t), {k: int(v) for k, v in (rec.get("replicas") or {}).items()}))
+    return History(
+        recommendations=tuple(recs),
+        last_scale_time=_epoch(auto.get("lastScaleTime")),
+        last_active_time=later(_epoch(auto.get("lastActiveTime"))),
+    )
+
+
+def _recommendations(history: History) -> list[dict[str, Any]]:
+    """Recent recommendations, an earlier one dropped when a later one is equal (it can never matter
+    again: the later one stays in every window at least as long, for both min and max)."""
+    out: list[tuple[float, dict[str, int]]] = []
+    for t, replicas in history.recommendations:
+        out = [(u, r) for u, r in out if r != dict(replicas)]
+        out.append((t, dict(replicas)))
+    return [{"time": _rfc3339(t), "replicas": r} for t, r in out[-MAX_RECOMMENDATIONS:]]
+
+
+def autoscaling_status(
+    decision: Decision, snapshots: Mapping[str, PoolSnapshot], previous: Mapping[str, Any], now: float
+) -> dict[str, Any]:
     pools = {}
     for pool, d in decision.pools.items():
         snap = snapshots.get(pool) or PoolSnapshot()
@@ -113,74 +127,122 @@ def status_patch(decision: Decision, snapshots: dict[str, PoolSnapshot], previou
         }
         pools[pool] = {"desiredReplicas": d.desired, "inputs": {k: v for k, v in inputs.items() if v is not None}}
     scaled = decision.is_scaling and not decision.is_advisory
-    return {
-        "autoscaling": {
-            "mode": "advisory" if decision.is_advisory else "active",
-            "lastScaleTime": now_rfc3339() if scaled else (previous or {}).get("lastScaleTime"),
-            "lastDecision": decision.reason[:4096],
-            "pools": pools,
-        }
+    history = decision.history
+    out = {
+        "mode": "advisory" if decision.is_advisory else "active",
+        "lastScaleTime": _rfc3339(now) if scaled else previous.get("lastScaleTime"),
+        "lastDecision": decision.reason[:4096],
+        "pools": pools,
+        "limited": decision.limited_reason[:1024] if decision.is_limited else None,
+        "lastActiveTime": _rfc3339(history.last_active_time) if history.last_active_time is not None else None,
+        "recommendations": _recommendations(history),
     }
+    return {k: v for k, v in out.items() if v is not None}
 
 
-async def on_autoscale(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    meta, spec = body["metadata"], dict(body.get("spec") or {})
-    namespace, name = meta["namespace"], meta["name"]
-    key = (namespace, name)
-    operator = memo.tidepool
-    if meta.get("deletionTimestamp") or not is_enabled(spec):
-        operator.replicas_overrides.pop(key, None)
-        operator.scaling_limits.pop(key, None)
-        return
-    auto = _state(memo)
-    pools = pool_names(spec)
-    config = config_from_spec(spec)
-    now = time.monotonic()
-    await auto.collector.collect(namespace, name, pools, now)
-    snapshots = auto.collector.snapshots(namespace, name, pools)
-    current = await current_pools(operator.client, namespace, name, body, operator.replicas_overrides.get(key))
-    decision = decide(config, snapshots, current, auto.histories.get(key), now)
-    auto.histories[key] = decision.history
-    mode = "advisory" if decision.is_advisory else "active"
-    for pool, d in decision.pools.items():
-        DESIRED.labels(namespace, name, pool).set(d.desired)
-        CURRENT.labels(namespace, name, pool).set(d.current)
-    DECISIONS.labels(namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
-
-    if not decision.is_advisory:
-        operator.replicas_overrides[key] = dict(decision.replicas)
-        if decision.is_limited:
-            operator.scaling_limits[key] = ("CapacityOrBounds", decision.limited_reason[:1000])
-        else:
-            operator.scaling_limits.pop(key, None)
-    if decision.is_scaling:
-        reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
-        kopf.event(dict(body), type="Normal", reason=reason, message=decision.reason[:1000])
-        logger.info("%s: %s", reason, decision.reason)
-    previous = (body.get("status") or {}).get("autoscaling")
-    await operator.client.patch_status(KIND, namespace, name, status_patch(decision, snapshots, previous))
-    if not decision.is_advisory and (decision.is_scaling or decision.is_limited):
-        from tidepool.operator.handlers import reconcile_object
-
-        await reconcile_object(body, memo)
-
-
-def register(registry: kopf.OperatorRegistry) -> None:
-    """Register the autoscaler timer and its metrics endpoint on the operator's registry."""
-    interval = float(os.environ.get("TIDEPOOL_AUTOSCALE_INTERVAL", "15"))
-
-    @kopf.on.startup(registry=registry)
-    async def autoscaler_startup(**_: Any) -> None:
-        port = int(os.environ.get("TIDEPOOL_OPERATOR_METRICS_PORT", "9090"))
-        if port:
-            start_http_server(port)
-
-    @kopf.on.cleanup(registry=registry)
-    async def autoscaler_cleanup(memo: kopf.Memo, **_: Any) -> None:
-        state = getattr(memo, "tidepool_autoscaler", None)
-        if state is not None:
-            await state.http.aclose()
-
-    kopf.timer(GROUP, VERSION, PLURAL, registry=registry, id="autoscale", interval=interval, initial_delay=interval)(
-        on_autoscale
+def _material(auto: Mapping[str, Any]) -> Any:
+    """What must reach the cluster at once: the decision and the state, not the inputs, the reason's
+    wording (its numbers move with every scrape) or the times of the state (refreshed every PERSIST_S)."""
+    return (
+        auto.get("mode"),
+        auto.get("limited"),
+        auto.get("lastScaleTime"),
+        {p: v.get("desiredReplicas") for p, v in (auto.get("pools") or {}).items()},
+        [r.get("replicas") for r in auto.get("recommendations") or []],
     )
+
+
+def metrics_source(pods_of: Callable[[str, str], Sequence[PodInfo]], http: httpx.AsyncClient) -> MetricsSource:
+    template = os.environ.get("TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE")
+    prometheus = os.environ.get("TIDEPOOL_PROMETHEUS_URL")
+    if template:
+        return UrlTemplateSource(template, http)
+    if prometheus:
+        return PrometheusSource(prometheus, http)
+    return PodsSource(pods_of, http)
+
+
+class Autoscaler:
+    """Per-InferenceService ticks; `client` writes status, `pods_of` reads the pod cache, `event` posts."""
+
+    def __init__(
+        self,
+        client: Any,
+        pods_of: Callable[[str, str], Sequence[PodInfo]],
+        event: EventSink,
+        source: MetricsSource,
+        interval_s: float | None = None,
+        window_s: float | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client, self.pods_of, self.event = client, pods_of, event
+        self.interval_s = interval_s or float(os.environ.get("TIDEPOOL_AUTOSCALE_INTERVAL", "15"))
+        window = window_s or float(os.environ.get("TIDEPOOL_AUTOSCALE_WINDOW", "60"))
+        self.collector = Collector(source, window)
+        self.clock = clock
+        self.histories: dict[Key, History] = {}
+        self.next_tick: dict[Key, float] = {}
+        self.written_at: dict[Key, float] = {}
+
+    def forget(self, key: Key) -> None:
+        for table in (self.histories, self.next_tick, self.written_at):
+            table.pop(key, None)
+        self.collector.forget(*key)
+
+    def seconds_until_due(self, key: Key) -> float:
+        return max(self.next_tick.get(key, 0.0) - self.clock(), 0.0)
+
+    def _current(self, key: Key, body: Mapping[str, Any], pools: Sequence[str]) -> dict[str, PoolState]:
+        """Replicas in force per pool and stuck pods. Replicas: our own last decision when it acts (the
+        reconcile applies it), else what the reconcile last drove towards, else the spec."""
+        spec = body.get("spec") or {}
+        recorded = (body.get("status") or {}).get("pools") or {}
+        decided = applied_replicas(body)[0] or {}
+        pods = self.pods_of(*key)
+        states = {}
+        for pool in pools:
+            replicas = decided.get(pool, (recorded.get(pool) or {}).get("desiredReplicas"))
+            if replicas is None:
+                replicas = ((spec.get("pools") or {}).get(pool) or {}).get("replicas", 1)
+            stuck = [
+                msg for p in pods if p.pool == pool and not p.is_ready for r, msg in p.problems if r == "Unschedulable"
+            ]
+            states[pool] = PoolState(int(replicas), len(stuck), stuck[0] if stuck else "")
+        return states
+
+    async def tick(self, key: Key, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """One decision; returns the object as updated by the status write (or `body` when nothing was written)."""
+        namespace, name = key
+        now = self.clock()
+        self.next_tick[key] = now + self.interval_s
+        spec = dict(body.get("spec") or {})
+        pools = pool_names(spec)
+        previous = (body.get("status") or {}).get("autoscaling") or {}
+        history = self.histories.get(key) or restore_history(previous, now)
+        await self.collector.collect(namespace, name, pools, now)
+        snapshots = self.collector.snapshots(namespace, name, pools)
+        decision = decide(config_from_spec(spec), snapshots, self._current(key, body, pools), history, now)
+        self.histories[key] = decision.history
+        mode = "advisory" if decision.is_advisory else "active"
+        for pool, d in decision.pools.items():
+            DESIRED.labels(namespace, name, pool).set(d.desired)
+            CURRENT.labels(namespace, name, pool).set(d.current)
+        DECISIONS.labels(namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
+        if decision.is_scaling:
+            reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
+            logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
+            await self.event(body, "Normal", reason, decision.reason[:1000])
+        new = autoscaling_status(decision, snapshots, previous, now)
+        stale = now - self.written_at.get(key, float("-inf")) >= PERSIST_S
+        if _material(new) == _material(previous) and not stale:
+            return body
+        auto_patch: dict[str, Any] = {**{k: None for k in previous if k not in new}, **new}
+        gone = {p: None for p in previous.get("pools") or {} if p not in new["pools"]}
+        if gone:  # a merge patch keeps map keys it does not mention
+            auto_patch["pools"] = {**new["pools"], **gone}
+        patch = {"autoscaling": auto_patch}
+        updated = await self.client.patch_status(
+            KIND, namespace, name, patch, (body.get("metadata") or {}).get("resourceVersion")
+        )
+        self.written_at[key] = now
+        return updated or body

@@ -1,15 +1,17 @@
-"""Collector sources, the spec adapter and the kopf timer's actuation, without a cluster.
+"""Collector sources, the spec adapter and the autoscaler's tick, without a cluster.
 
-The timer runs against fakes of its collaborators (a KubeClient that records status patches, a
-metrics source returning Prometheus text built by prometheus_client), so each branch is checked:
-active mode feeds the reconcile seam and reconciles, advisory only writes status and an Event,
-unschedulable pods set the ScalingLimited seam, disabling clears the seam.
+The tick runs against fakes of its collaborators (a client that applies status patches to a body,
+a metrics source returning Prometheus text built by prometheus_client, a fake clock), so each
+branch is checked: active mode records replicas in status for the reconcile, advisory only writes
+status and an Event, unschedulable pods set `limited`, and a restarted autoscaler resumes from
+status without scaling down.
 """
 
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+import copy
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ from tidepool.operator.api import InferenceServiceSpec
 from tidepool.operator.autoscaler import handlers
 from tidepool.operator.autoscaler.collector import (
     Collector,
-    EndpointsSource,
+    PodsSource,
     PoolBodies,
     PrometheusSource,
     UrlTemplateSource,
@@ -27,6 +29,7 @@ from tidepool.operator.autoscaler.collector import (
 )
 from tidepool.operator.autoscaler.config import config_from_spec, pool_names
 from tidepool.operator.autoscaler.policy_types import PoolBounds
+from tidepool.operator.cache import PodInfo
 
 ROUTER = '# TYPE tidepool_router_held_requests gauge\ntidepool_router_held_requests{pool="unified"} 3\n'
 
@@ -68,29 +71,22 @@ def test_url_template_source_and_collector_windows():
     assert snaps["broken"].num_pods_scraped == 0 and snaps["broken"].num_pods_failed == 1
 
 
-def test_endpoints_source_scrapes_ready_endpoints_only():
-    slices = {
-        "kubernetes.io/service-name=svc-unified": [
-            {
-                "ports": [{"port": 8000}],
-                "endpoints": [
-                    {"addresses": ["10.0.0.1"], "conditions": {"ready": True}, "targetRef": {"name": "pod-a"}},
-                    {"addresses": ["10.0.0.2"], "conditions": {"ready": False}, "targetRef": {"name": "pod-b"}},
-                    {"addresses": ["10.0.0.3"], "conditions": {"ready": True}, "targetRef": {"name": "pod-c"}},
-                ],
-            }
-        ],
-        "kubernetes.io/service-name=svc-router": [
-            {"ports": [{"port": 8080}], "endpoints": [{"addresses": ["10.0.1.1"], "conditions": {"ready": True}}]}
-        ],
-    }
+def pod(name: str, ip: str, pool: str = "unified", ready: bool = True, rank: int = 0, group: str | None = None):
+    return PodInfo(name, pool, "h", group, rank, ready, False, ip, ())
 
-    class Kube:
-        async def list(self, kind, namespace, selector):
-            assert kind == "EndpointSlice" and namespace == "ns"
-            return slices.get(selector, [])
+
+def test_pods_source_scrapes_ready_leaders_only():
+    pods = [
+        pod("pod-a", "10.0.0.1"),
+        pod("pod-b", "10.0.0.2", ready=False),
+        pod("pod-c", "10.0.0.3"),
+        pod("pod-d", "10.0.0.4", rank=1, group="0"),  # rank 1 of a multi-node replica serves no HTTP
+        pod("router-x", "10.0.1.1", pool="router"),
+    ]
+    hits = []
 
     def serve(request: httpx.Request) -> httpx.Response:
+        hits.append((request.url.host, request.url.port))
         if request.url.host == "10.0.0.3":
             raise httpx.ConnectTimeout("timed out")
         if request.url.host == "10.0.1.1":
@@ -99,12 +95,13 @@ def test_endpoints_source_scrapes_ready_endpoints_only():
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as http:
-            return await EndpointsSource(Kube(), http).fetch("ns", "svc", ("unified",))
+            return await PodsSource(lambda ns, name: pods, http).fetch("ns", "svc", ("unified",))
 
     got: PoolBodies = asyncio.run(run())["unified"]
     assert set(got.bodies) == {"pod-a"}
     assert got.num_failed == 1  # pod-c timed out; pod-b is not ready, so not expected
     assert got.router_bodies == [ROUTER]
+    assert ("10.0.1.1", 8080) in hits and ("10.0.0.1", 8000) in hits and not any(h == "10.0.0.4" for h, _ in hits)
 
 
 def test_config_from_spec_reads_the_api_wire_names():
@@ -141,25 +138,32 @@ def test_config_from_spec_reads_the_api_wire_names():
 
 
 class FakeKube:
-    def __init__(self, pods=()):
-        self.pods, self.patches = list(pods), []
+    """Applies status merge patches to the body it was given, checking the resourceVersion."""
 
-    async def list(self, kind, namespace, selector):
-        return self.pods
+    def __init__(self, body: dict):
+        self.body, self.patches = body, []
 
-    async def patch_status(self, kind, namespace, name, status):
-        self.patches.append(status)
-        return {}
+    async def patch_status(self, kind, namespace, name, status, resource_version=None):
+        assert resource_version == self.body["metadata"]["resourceVersion"]
+        self.patches.append(copy.deepcopy(status))
+        auto = self.body.setdefault("status", {}).setdefault("autoscaling", {})
+        for key, value in status["autoscaling"].items():
+            if value is None:
+                auto.pop(key, None)
+            else:
+                auto[key] = copy.deepcopy(value)
+        self.body["metadata"]["resourceVersion"] = str(int(self.body["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(self.body)
 
 
 class FixedSource:
-    def __init__(self, kv: float):
-        self.kv, self.calls = kv, 0
+    def __init__(self, kv: float, num_pods: int = 2):
+        self.kv, self.calls, self.num_pods = kv, 0, num_pods
 
     async def fetch(self, namespace, name, pools):
         self.calls += 1
         body = engine_metrics_text(ttft=[0.05] * 5 * self.calls, itl=[0.01] * 50 * self.calls, kv=self.kv)
-        return {pool: PoolBodies({f"{pool}-{i}": body for i in range(2)}) for pool in pools}
+        return {pool: PoolBodies({f"{pool}-{i}": body for i in range(self.num_pods)}) for pool in pools}
 
 
 def isvc(mode: str = "active", enabled: bool = True) -> dict:
@@ -169,91 +173,137 @@ def isvc(mode: str = "active", enabled: bool = True) -> dict:
         "pools": {"unified": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6}},
         "autoscaling": {"enabled": enabled, "mode": mode, "slo": {"ttftP95Ms": 500}, "kvCacheTarget": 0.5},
     }
-    return {"metadata": {"namespace": "ns", "name": "svc"}, "spec": spec, "status": {}}
+    return {"metadata": {"namespace": "ns", "name": "svc", "resourceVersion": "1"}, "spec": spec, "status": {}}
 
 
-def run_timer(body: dict, kv: float, pods=(), monkeypatch=None, ticks: int = 2):
-    kube = FakeKube(pods)
-    memo = SimpleNamespace(
-        tidepool=SimpleNamespace(client=kube, replicas_overrides={}, scaling_limits={}),
-        tidepool_autoscaler=handlers.AutoscalerState(Collector(FixedSource(kv), 60.0), http=None),
+def run_ticks(
+    body: dict, kv: float, pods=(), ticks: int = 2, start: float = 1_000_000.0, step: float = 15.0, num_pods: int = 2
+):
+    """Ticks of one Autoscaler on a fake clock; returns (final body, the fake client, the events)."""
+    kube = FakeKube(body)
+    events: list[tuple[str, str]] = []
+    now = [start]
+
+    async def event(obj: Any, type_: str, reason: str, message: str) -> None:
+        events.append((reason, message))
+
+    auto = handlers.Autoscaler(
+        kube,
+        lambda ns, name: list(pods),
+        event,
+        FixedSource(kv, num_pods),
+        interval_s=step,
+        window_s=60.0,
+        clock=lambda: now[0],
     )
-    events, reconciles = [], []
-    monkeypatch.setattr(handlers.kopf, "event", lambda obj, **kw: events.append(kw))
-
-    async def fake_reconcile(body, memo):
-        reconciles.append(dict(memo.tidepool.replicas_overrides))
-
-    import tidepool.operator.handlers as op_handlers
-
-    monkeypatch.setattr(op_handlers, "reconcile_object", fake_reconcile)
-    times = iter(range(0, 1000, 15))
-    monkeypatch.setattr(handlers.time, "monotonic", lambda: float(next(times)))
-    log = SimpleNamespace(info=lambda *a: None)
+    current = body
     for _ in range(ticks):
-        asyncio.run(handlers.on_autoscale(body=body, memo=memo, logger=log))
-    return memo, kube, events, reconciles
+        current = asyncio.run(auto.tick(("ns", "svc"), current))
+        now[0] += step
+    return current, kube, events
 
 
-def test_active_mode_feeds_the_reconcile_seam_and_reports(monkeypatch):
-    memo, kube, events, reconciles = run_timer(isvc(), kv=0.9, monkeypatch=monkeypatch)
-    assert memo.tidepool.replicas_overrides[("ns", "svc")] == {"unified": 4}  # kv 0.9 / 0.5 on 2 pods
-    assert reconciles == [{("ns", "svc"): {"unified": 4}}]
-    assert [e["reason"] for e in events] == ["Scaled"]
+def test_active_mode_records_the_replicas_for_the_reconcile():
+    body, kube, events = run_ticks(isvc(), kv=0.9)
+    replicas, limited = handlers.applied_replicas(body)
+    assert replicas == {"unified": 4} and limited is None  # kv 0.9 / 0.5 on 2 pods
+    assert [e[0] for e in events] == ["Scaled"]
     assert kube.patches[0]["autoscaling"]["lastScaleTime"]  # the tick that scaled
-    status = kube.patches[-1]["autoscaling"]
+    status = body["status"]["autoscaling"]
     assert status["mode"] == "active"
     assert status["pools"]["unified"]["desiredReplicas"] == 4
     assert status["pools"]["unified"]["inputs"]["kvCacheUsage"] == 0.9
     assert "kv_cache 0.90" in status["lastDecision"]
+    assert status["recommendations"] and status["lastActiveTime"]
 
 
-def test_advisory_mode_changes_only_status(monkeypatch):
-    memo, kube, events, reconciles = run_timer(isvc("advisory"), kv=0.9, monkeypatch=monkeypatch)
-    assert memo.tidepool.replicas_overrides == {} and reconciles == []
-    assert {e["reason"] for e in events} == {"AdvisoryScale"}
-    status = kube.patches[-1]["autoscaling"]
-    assert status["mode"] == "advisory" and status["lastScaleTime"] is None
+def test_advisory_mode_changes_only_status():
+    body, _, events = run_ticks(isvc("advisory"), kv=0.9)
+    assert handlers.applied_replicas(body) == (None, None)  # the reconcile keeps the spec's replicas
+    assert {e[0] for e in events} == {"AdvisoryScale"}
+    status = body["status"]["autoscaling"]
+    assert status["mode"] == "advisory" and "lastScaleTime" not in status
     assert status["pools"]["unified"]["desiredReplicas"] == 4
 
 
-def test_unschedulable_pods_set_scaling_limited(monkeypatch):
-    pending = {
-        "metadata": {"name": "svc-unified-x", "labels": {"tidepool.dev/pool": "unified"}},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {"type": "PodScheduled", "reason": "Unschedulable", "message": "0/2 nodes: Insufficient nvidia.com/gpu"}
-            ],
-        },
-    }
-    memo, _, _, reconciles = run_timer(isvc(), kv=0.9, pods=[pending], monkeypatch=monkeypatch)
-    assert memo.tidepool.replicas_overrides[("ns", "svc")] == {"unified": 2}  # no growth
-    _, message = memo.tidepool.scaling_limits[("ns", "svc")]
-    assert "Insufficient nvidia.com/gpu" in message
-    assert reconciles  # the ScalingLimited condition is written by reconcile
+def test_unschedulable_pods_hold_and_set_limited():
+    stuck = PodInfo("svc-unified-x", "unified", "h", None, 0, False, False, None,
+                    (("Unschedulable", "0/2 nodes: Insufficient nvidia.com/gpu"),))  # fmt: skip
+    body, _, _ = run_ticks(isvc(), kv=0.9, pods=[stuck])
+    replicas, limited = handlers.applied_replicas(body)
+    assert replicas == {"unified": 2}  # no growth
+    assert limited is not None and "Insufficient nvidia.com/gpu" in limited[1]
 
 
-@pytest.mark.parametrize(
-    "body", [isvc(enabled=False), {**isvc(), "metadata": {**isvc()["metadata"], "deletionTimestamp": "x"}}]
-)
-def test_disabled_or_deleted_clears_the_seam(monkeypatch, body):
-    kube = FakeKube()
-    memo = SimpleNamespace(
-        tidepool=SimpleNamespace(
-            client=kube, replicas_overrides={("ns", "svc"): {"unified": 5}}, scaling_limits={("ns", "svc"): ("a", "b")}
-        )
-    )
-    asyncio.run(handlers.on_autoscale(body=body, memo=memo, logger=None))
-    assert memo.tidepool.replicas_overrides == {} and memo.tidepool.scaling_limits == {} and kube.patches == []
+def test_status_is_written_on_change_and_otherwise_at_most_every_persist_period():
+    _, kube, _ = run_ticks(isvc(), kv=0.5, ticks=3)  # at target: the same decision three times, 15 s apart
+    assert len(kube.patches) == 1
+    _, kube, _ = run_ticks(isvc(), kv=0.5, ticks=3, step=handlers.PERSIST_S)
+    assert len(kube.patches) == 3
 
 
-def test_after_a_restart_current_replicas_come_from_status_not_spec(monkeypatch):
-    body = isvc()
-    body["status"] = {"pools": {"unified": {"replicas": 5, "readyReplicas": 5, "desiredReplicas": 5}}}
-    memo, _, events, _ = run_timer(body, kv=0.5, monkeypatch=monkeypatch, ticks=1)  # at target: hold
-    assert memo.tidepool.replicas_overrides[("ns", "svc")] == {"unified": 5}  # not the spec's 2
-    assert events == []
+class Harness:
+    """One InferenceService body in a fake cluster and a fake clock shared by successive autoscalers."""
+
+    def __init__(self, body: dict) -> None:
+        self.kube = FakeKube(body)
+        self.now = [1_000_000.0]
+        self.source = FixedSource(0.0)
+
+    def autoscaler(self) -> handlers.Autoscaler:  # a (re)started operator: nothing in memory
+        async def event(*_: Any) -> None:
+            return None
+
+        clock = lambda: self.now[0]  # noqa: E731
+        return handlers.Autoscaler(self.kube, lambda ns, n: [], event, self.source, 15.0, 60.0, clock=clock)
+
+    def tick(self, auto: handlers.Autoscaler, kv: float, num_pods: int) -> int:
+        self.source.kv, self.source.num_pods = kv, num_pods
+        self.kube.body = dict(asyncio.run(auto.tick(("ns", "svc"), self.kube.body)))
+        self.now[0] += 15.0
+        replicas = handlers.applied_replicas(self.kube.body)[0]["unified"]
+        self.kube.body["status"]["pools"] = {"unified": {"desiredReplicas": replicas}}  # the reconcile's part
+        return replicas
+
+    def ticks_until_below(self, auto: handlers.Autoscaler, replicas: int) -> int:
+        for n in range(1, 40):
+            if self.tick(auto, kv=0.05, num_pods=replicas) < replicas:
+                return n
+        raise AssertionError("never scaled down")
+
+
+def test_a_restarted_autoscaler_resumes_from_status_without_scaling_down():
+    """After a restart the decided replicas and the stabilization state come from status: the pool keeps
+    its autoscaled size and is never scaled down earlier than without the restart."""
+    spec = isvc()
+    spec["spec"]["autoscaling"]["stabilization"] = {"upSeconds": 0, "downSeconds": 120}
+
+    def grown() -> tuple[Harness, handlers.Autoscaler]:
+        h = Harness(copy.deepcopy(spec))
+        auto = h.autoscaler()
+        assert [h.tick(auto, kv=0.9, num_pods=2) for _ in range(2)] == [4, 4]  # kv 0.9 / 0.5 on 2 pods
+        return h, auto
+
+    h, auto = grown()
+    uninterrupted = h.ticks_until_below(auto, 4)
+    h, _ = grown()
+    restarted = h.autoscaler()
+    assert h.tick(restarted, kv=0.05, num_pods=4) == 4  # not the spec's 2
+    assert 1 + h.ticks_until_below(restarted, 4) >= uninterrupted
+
+    h, _ = grown()
+    h.kube.body["status"] = {}  # an operator that kept its decisions in memory lost them with the process
+    assert h.tick(h.autoscaler(), kv=0.05, num_pods=4) < 4
+
+
+def test_restored_times_are_never_earlier_than_the_truth():
+    auto = {"recommendations": [{"time": "2026-01-01T00:00:00Z", "replicas": {"unified": 3}}],
+            "lastActiveTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    t0 = 1767225600.0  # 2026-01-01T00:00:00Z
+    history = handlers.restore_history(auto, now=t0 + 1000)
+    assert history.recommendations == ((t0 + handlers.PERSIST_S, {"unified": 3}),)
+    assert history.last_active_time == t0 + handlers.PERSIST_S
+    assert handlers.restore_history(auto, now=t0 + 10).last_active_time == t0 + 10  # never in the future
 
 
 def test_prometheus_federate_source_splits_series_by_pod_label():

@@ -1,6 +1,6 @@
 """The collector against real `tidepool serve` processes under load from bench/serve.py.
 
-Two tiny-model servers stand for two ready pods of a pool (EndpointSlices faked, the HTTP is real).
+Two tiny-model servers stand for two ready pods of a pool (the pod cache faked, the HTTP is real).
 Checks: the window counts exactly the requests of the last load phase (bucket deltas, not lifetime
 totals), the ITL histogram counts every streamed token gap, the p95s are consistent with the
 client-side measurements of bench/serve.py, and KV usage / running requests show up while loaded.
@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tidepool.operator.autoscaler.collector import Collector, EndpointsSource
+from tidepool.operator.autoscaler.collector import Collector, PodsSource
+from tidepool.operator.cache import PodInfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from serve_proc import start_server
@@ -29,24 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 NUM_PROMPTS, OUTPUT_LEN = 6, 12
 
 
-class FakeSlices:
-    """EndpointSlices of `svc-unified`: one ready endpoint per server, each with its own port."""
-
-    def __init__(self, ports: list[int]) -> None:
-        self.ports = ports
-
-    async def list(self, kind: str, namespace: str, selector: str) -> list[dict]:
-        if selector != "kubernetes.io/service-name=svc-unified":
-            return []
-        return [
-            {
-                "ports": [{"port": port}],
-                "endpoints": [
-                    {"addresses": ["127.0.0.1"], "conditions": {"ready": True}, "targetRef": {"name": f"pod-{i}"}}
-                ],
-            }
-            for i, port in enumerate(self.ports)
-        ]
+def fake_pods(ports: list[int]) -> tuple[list[PodInfo], dict[str, int]]:
+    """Ready pods of `svc`'s unified pool, one per server, and each one's port (all on 127.0.0.1)."""
+    pods = [PodInfo(f"pod-{i}", "unified", "h", None, 0, True, False, "127.0.0.1", ()) for i in range(len(ports))]
+    return pods, {p.name: port for p, port in zip(pods, ports, strict=True)}
 
 
 def load(url: str, model: Path, out: Path, label: str, input_len: int) -> dict:
@@ -70,7 +57,9 @@ def test_collector_windows_on_real_servers(tiny_model_dir: Path, tmp_path: Path)
 
 async def _run(servers, model: Path, tmp_path: Path) -> None:
     async with httpx.AsyncClient() as http:
-        collector = Collector(EndpointsSource(FakeSlices([s.port for s in servers]), http, timeout_s=10), 3600)
+        pods, ports = fake_pods([s.port for s in servers])
+        source = PodsSource(lambda ns, name: pods, http, timeout_s=10, port_of=lambda pod: ports[pod.name])
+        collector = Collector(source, 3600)
         pools = ("unified",)
         # Phase 1 (lifetime history the window must not count), then a baseline scrape.
         await asyncio.to_thread(lambda: [load(s.url, model, tmp_path, f"p1-{i}", 16) for i, s in enumerate(servers)])

@@ -1,5 +1,6 @@
 """The operator on the real control plane, as the chart's ServiceAccount (never admin), in namespaces
-enforcing Pod Security "restricted": samples become Ready with every child, spec changes roll out,
+enforcing Pod Security "restricted", with its production defaults (a 10-minute resync: everything
+below is driven by watch events): samples become Ready with every child, spec changes roll out,
 hand edits are reverted, deletion garbage-collects everything, and no request is ever forbidden."""
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ def wait_ready(cluster, namespace: str, name: str, timeout_s: float = 120) -> di
     return wait_until(lambda: (o := get_isvc(cluster, namespace, name)) and is_ready(o) and o, 60, f"{name} Ready")
 
 
+def wait_complete(cluster, namespace: str, name: str, timeout_s: float = 120) -> dict[str, Any]:
+    """Ready, and every replica up on the current spec (Progressing=False): Ready alone needs minReplicas."""
+    wait_ready(cluster, namespace, name, timeout_s)
+
+    def complete() -> dict[str, Any] | None:
+        obj = get_isvc(cluster, namespace, name)
+        done = is_ready(obj) and (condition(obj, "Progressing") or {}).get("status") == "False"
+        return obj if done else None
+
+    return wait_until(complete, timeout_s, f"{name} complete")
+
+
 def events_of(cluster, namespace: str, name: str) -> list[dict[str, Any]]:
     out = cluster.kubectl(
         "get", "events", "-n", namespace, "-o", "json",
@@ -90,7 +103,7 @@ def test_samples_create_every_child_and_become_ready(control_plane, cp_namespace
 
     for obj in samples:
         name, spec = obj["metadata"]["name"], obj["spec"]
-        isvc = wait_ready(control_plane, ns, name)
+        isvc = wait_complete(control_plane, ns, name)
         model = InferenceServiceSpec.model_validate(spec)
         found = children(control_plane, ns, name)
         assert set(found) == expected_children(name, ns, spec), f"{name}: children differ from the builders' plan"
@@ -101,7 +114,12 @@ def test_samples_create_every_child_and_become_ready(control_plane, cp_namespace
         status = isvc["status"]
         for pool in model.pool_names():
             want = model.pool_replicas(pool)
-            assert status["pools"][pool] == {"replicas": want, "readyReplicas": want, "desiredReplicas": want}
+            assert status["pools"][pool] == {
+                "replicas": want,
+                "readyReplicas": want,
+                "updatedReplicas": want,
+                "desiredReplicas": want,
+            }
             pool_pods = pods(control_plane, ns, f"tidepool.dev/inferenceservice={name},tidepool.dev/pool={pool}")
             assert len(pool_pods) == want and all(pod_is_ready(p) for p in pool_pods), pool
             for pod in pool_pods:
@@ -130,7 +148,7 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
     name = obj["metadata"]["name"]
     obj["spec"]["pools"]["unified"]["replicas"] = 2
     apply_isvc(control_plane, ns, obj)
-    wait_ready(control_plane, ns, name)
+    wait_complete(control_plane, ns, name)
     deploy = f"{name}-unified"
     selector = f"tidepool.dev/inferenceservice={name},tidepool.dev/pool=unified"
     old_hash = children(control_plane, ns, name)[("Deployment", deploy)]["spec"]["template"]["metadata"]["labels"][
@@ -159,7 +177,8 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
     assert any(e["reason"] == "RollingOut" for e in events_of(control_plane, ns, name))
     assert isvc["status"]["observedGeneration"] == 2
 
-    # Hand edits to fields the operator owns, and a deleted child, are reverted by the resync timer.
+    # Hand edits to fields the operator owns, and a deleted child, are reverted at once: their watch
+    # events wake the operator (the resync is 10 minutes away).
     kubectl("scale", "deployment", deploy, "-n", ns, "--replicas=4")
     kubectl(
         "patch", "configmap", f"{name}-engine-config", "-n", ns, "--type=merge", "-p", '{"data":{"engine.json":"{}"}}'

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ CRD_FILE = REPO / "crds" / "tidepool.dev_inferenceservices.yaml"
 EXAMPLES = REPO / "examples"
 TIDEPOOL = Path(sys.executable).with_name("tidepool")
 OPERATOR_NAMESPACE = "tidepool-system"
+LEASE_NAME = "tidepool"  # the chart's fullname for release "tidepool": what its leader-election Role names
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 GROUP, VERSION, PLURAL = "tidepool.dev", "v1alpha1", "inferenceservices"
 
@@ -142,20 +144,29 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    """`tidepool operator` as a subprocess; every start appends to the same log."""
+    """`tidepool operator` as a subprocess with its production defaults (resync interval, workers, leader
+    election on the chart's Lease); every start appends to the same log.
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, resync_seconds: float = 3.0) -> None:
+    The Lease is the one the chart's RBAC names (release "tidepool" in OPERATOR_NAMESPACE), so two
+    OperatorProcesses at once contend for it as two chart replicas would."""
+
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.kubeconfig, self.namespaces, self.log = kubeconfig, namespaces, log
-        self.resync_seconds = resync_seconds
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
         self.num_starts = 0
+        self.metrics_port = 0
 
     def start(self) -> None:
         args = [str(TIDEPOOL), "operator", "--kubeconfig", str(self.kubeconfig)]
         for ns in self.namespaces:
             args += ["-n", ns]
-        args += ["--resync-seconds", str(self.resync_seconds), "--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        args += ["--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
+        args += list(self.extra_args)
+        self.metrics_port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # the token kubeconfig only
+        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = env.get("TIDEPOOL_OPERATOR_METRICS_PORT") or str(self.metrics_port)
         with open(self.log, "ab") as fh:
             fh.write(f"---- start {self.num_starts}: {' '.join(args)}\n".encode())
             fh.flush()
@@ -287,3 +298,61 @@ def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.5):
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last!r}")
+
+
+# ---- the API server's own request counters (steady-state cost of the operator) ------------------
+_SERIES = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)\{(?P<labels>[^}]*)\}\s+(?P<value>[0-9.eE+-]+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def apiserver_counters(cluster) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """`apiserver_request_total` and APF's `apiserver_flowcontrol_dispatched_requests_total` from the
+    API server's /metrics (as admin), each as {sorted label tuple: count}."""
+    text = _raw_metrics(cluster)
+    wanted = ("apiserver_request_total", "apiserver_flowcontrol_dispatched_requests_total")
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {name: {} for name in wanted}
+    for line in text.splitlines():
+        match = _SERIES.match(line)
+        if match and match["name"] in wanted:
+            labels = tuple(sorted(_LABEL.findall(match["labels"])))
+            out[match["name"]][labels] = float(match["value"])
+    return out
+
+
+def _raw_metrics(cluster) -> str:
+    import ssl
+    import urllib.parse
+    from http.client import HTTPSConnection
+
+    pki = cluster.state_dir / "pki"
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
+    url = urllib.parse.urlsplit(cluster.server)
+    conn = HTTPSConnection(url.hostname, url.port, context=ctx, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
+def counter_delta(before: dict, after: dict, name: str, **match: str) -> float:
+    """Increase of a counter family between two `apiserver_counters` snapshots, over series matching labels."""
+    total = 0.0
+    for labels, value in after[name].items():
+        as_dict = dict(labels)
+        if all(as_dict.get(k) == v for k, v in match.items()):
+            total += value - before[name].get(labels, 0.0)
+    return total
+
+
+def requests_by_kind(before: dict, after: dict) -> dict[str, float]:
+    """`apiserver_request_total` increases by 'VERB resource' (the breakdown a reader wants)."""
+    out: dict[str, float] = {}
+    for labels, value in after["apiserver_request_total"].items():
+        d = dict(labels)
+        key = f"{d.get('verb')} {d.get('resource')}{'/' + d['subresource'] if d.get('subresource') else ''}"
+        delta = value - before["apiserver_request_total"].get(labels, 0.0)
+        if delta:
+            out[key] = out.get(key, 0.0) + delta
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -54,7 +54,8 @@ def test_lint_is_clean(helm: str) -> None:
 
 def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
     docs = render(helm)
-    assert sorted(d["kind"] for d in docs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    kinds = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == kinds
     for doc in docs:
         labels = doc["metadata"]["labels"]
         for key in ("name", "instance", "version", "managed-by", "part-of", "component"):
@@ -65,7 +66,14 @@ def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
 
 def test_operator_pod_is_restricted_and_probed(helm: str) -> None:
     (deployment,) = _by_kind(render(helm), "Deployment")
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"} and deployment["spec"]["replicas"] == 1
+    # Two replicas behind a Lease: upgrades roll (the new pod starts as a stand-by first).
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    (single,) = _by_kind(render(helm, "leaderElection.enabled=false", "replicaCount=1"), "Deployment")
+    assert single["spec"]["strategy"] == {"type": "Recreate"}  # never two unelected operators at once
     pod = deployment["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -91,11 +99,30 @@ def test_operator_args_parse_with_the_real_cli(helm: str) -> None:
         assert top.command == "operator"
         args = operator_parser().parse_args(top.args)
         assert args.namespace == namespaces and args.all_namespaces == (not namespaces)
-        assert args.liveness == "http://0.0.0.0:8080/healthz" and args.resync_seconds == 60
+        assert args.liveness == "http://0.0.0.0:8080/healthz" and args.resync_seconds == 600
+        assert args.leader_elect and args.leader_election_id == "tp-tidepool"
+        assert args.leader_election_namespace == "tidepool-system"
+        assert container["args"].count(f"--log-level={args.log_level}") == 1
+    (deployment,) = _by_kind(render(helm, "leaderElection.enabled=false", "replicaCount=1"), "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert not operator_parser().parse_args(tidepool_parser().parse_args(container["args"]).args).leader_elect
 
 
 def _rules(docs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return {d["metadata"]["name"]: d["rules"] for d in _by_kind(docs, "ClusterRole")}
+
+
+def test_leader_election_role_is_namespaced_and_names_its_lease(helm: str) -> None:
+    docs = render(helm)
+    (role,) = _by_kind(docs, "Role")
+    (binding,) = _by_kind(docs, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "tidepool-system"
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    by_verbs = {tuple(r["verbs"]): r for r in role["rules"]}
+    assert set(by_verbs) == {("create",), ("get", "update")}
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role["rules"])
+    assert by_verbs[("get", "update")]["resourceNames"] == ["tp-tidepool"]  # only its own Lease
+    assert not _by_kind(render(helm, "leaderElection.enabled=false", "replicaCount=1"), "Role")
 
 
 def test_rbac_is_least_privilege(helm: str) -> None:
@@ -126,13 +153,16 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     assert "patch" in granted[("tidepool.dev", "inferenceservices/status")]
     for child in (("apps", "deployments"), ("", "services"), ("", "configmaps"), ("policy", "poddisruptionbudgets")):
         assert {"create", "patch"} <= granted[child], child
-    assert granted[("", "pods")] <= {"get", "list", "watch"}  # observed, never changed
+    assert granted[("", "pods")] == {"list", "watch"}  # cached from a watch, never changed
+    for child in (("apps", "deployments"), ("", "services"), ("", "configmaps"), ("policy", "poddisruptionbudgets")):
+        assert {"list", "watch"} <= granted[child], child  # the informer caches
+    assert "get" not in granted[("apps", "deployments")]  # never read one by one
     assert "create" in granted[("", "events")]
 
 
 def test_watch_namespaces_binds_the_namespaced_role_only_there(helm: str) -> None:
     docs = render(helm, "watchNamespaces={team-a,team-b}")
-    bindings = _by_kind(docs, "RoleBinding")
+    bindings = [b for b in _by_kind(docs, "RoleBinding") if b["roleRef"]["kind"] == "ClusterRole"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["roleRef"]["name"] == "tp-tidepool" for b in bindings)
     assert _by_kind(docs, "ClusterRoleBinding") == []
@@ -149,7 +179,7 @@ def test_rbac_and_service_account_can_be_brought_by_the_user(helm: str) -> None:
 @pytest.mark.parametrize(
     ("value", "complaint"),
     [
-        ("replicaCount=2", "/replicaCount"),
+        ("replicaCount=2,leaderElection.enabled=false", "/replicaCount"),
         ("operator.logLevel=TRACE", "/operator/logLevel"),
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("replicas=1", "additional properties 'replicas' not allowed"),

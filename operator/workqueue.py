@@ -1,0 +1,113 @@
+"""A work queue of InferenceService keys with controller-runtime's guarantees, on asyncio.
+
+- A key is queued at most once: triggers that arrive while it waits coalesce (the reconcile reads the
+  latest state from the caches, so the latest state wins).
+- A key is never processed by two workers at once: one added while being processed is marked dirty
+  and queued again when its worker calls `done()`.
+- `add_after(key, delay)` schedules a later add (resync, autoscaler ticks); `add_rate_limited(key)`
+  adds after a per-key exponential backoff (errors), reset by `forget(key)`.
+- A `full` flag travels with a key (OR-ed when triggers coalesce): the next reconcile must compare
+  every child with the spec instead of trusting what it verified last time (the resync safety net).
+
+Invariants: FIFO among ready keys; timers live in one heap served by one task (no task per key).
+The clock and backoff bounds are parameters, so tests run without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Hashable
+
+
+class WorkQueue:
+    def __init__(
+        self, base_delay_s: float = 0.5, max_delay_s: float = 120.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.base_delay_s, self.max_delay_s = base_delay_s, max_delay_s
+        self._clock = clock
+        self._queue: asyncio.Queue[Hashable] = asyncio.Queue()
+        self._queued: dict[Hashable, bool] = {}  # key -> full, for keys waiting in _queue
+        self._processing: set[Hashable] = set()
+        self._dirty: dict[Hashable, bool] = {}  # added while processing -> re-queued on done()
+        self._failures: dict[Hashable, int] = {}
+        self._timers: list[tuple[float, int, Hashable, bool]] = []
+        self._seq = itertools.count()
+        self._timer_wakeup = asyncio.Event()
+        self.num_adds = 0
+        self.num_coalesced = 0
+
+    def __len__(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def num_processing(self) -> int:
+        return len(self._processing)
+
+    @property
+    def num_delayed(self) -> int:
+        return len(self._timers)
+
+    def add(self, key: Hashable, full: bool = False) -> None:
+        self.num_adds += 1
+        if key in self._processing:
+            self._dirty[key] = self._dirty.get(key, False) or full
+            return
+        if key in self._queued:
+            self.num_coalesced += 1
+            self._queued[key] = self._queued[key] or full
+            return
+        self._queued[key] = full
+        self._queue.put_nowait(key)
+
+    def add_after(self, key: Hashable, delay_s: float, full: bool = False) -> None:
+        if delay_s <= 0:
+            self.add(key, full)
+            return
+        heapq.heappush(self._timers, (self._clock() + delay_s, next(self._seq), key, full))
+        self._timer_wakeup.set()
+
+    def add_rate_limited(self, key: Hashable) -> float:
+        """Add after this key's backoff (base * 2^failures, capped); returns the delay."""
+        failures = self._failures.get(key, 0)
+        self._failures[key] = failures + 1
+        delay = min(self.base_delay_s * 2**failures, self.max_delay_s)
+        self.add_after(key, delay)
+        return delay
+
+    def forget(self, key: Hashable) -> None:
+        self._failures.pop(key, None)
+
+    def num_failures(self, key: Hashable) -> int:
+        return self._failures.get(key, 0)
+
+    async def get(self) -> tuple[Hashable, bool]:
+        """The next ready key and its `full` flag; the caller must call `done(key)` afterwards."""
+        key = await self._queue.get()
+        full = self._queued.pop(key)
+        self._processing.add(key)
+        return key, full
+
+    def done(self, key: Hashable) -> None:
+        self._processing.discard(key)
+        if key in self._dirty:
+            self.add(key, self._dirty.pop(key))
+
+    def fire_due(self) -> float | None:
+        """Add every timer that is due; returns seconds until the next one (None: no timers)."""
+        now = self._clock()
+        while self._timers and self._timers[0][0] <= now:
+            _, _, key, full = heapq.heappop(self._timers)
+            self.add(key, full)
+        return self._timers[0][0] - now if self._timers else None
+
+    async def run_timers(self) -> None:
+        """Serve `add_after` timers until cancelled (one task for the whole queue)."""
+        while True:
+            wait = self.fire_due()
+            self._timer_wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._timer_wakeup.wait(), timeout=wait)
