@@ -64,6 +64,13 @@ class ClusterStartError(RuntimeError):
     """A component failed to start; the message carries the tail of its log."""
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """A kubectl command failed; unlike CalledProcessError, its message includes kubectl's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '').strip()}"
+
+
 def default_cache() -> Path:
     return Path(os.environ.get("TIDEPOOL_CACHE", Path.home() / ".cache" / "tidepool"))
 
@@ -355,15 +362,17 @@ class DevCluster:
 
     def stop(self) -> None:
         """Stop the real node (pods, runtime, namespaces, cgroups), then every component; remove tmpfs data."""
-        if self.node is not None:
-            node.teardown(self.node, self._stop_components, self._release_slot)
-            self.node = None
-        self._release_slot()
-        self._stop_components(list(self.pids))
-        if self.etcd_dir is not None:
-            shutil.rmtree(self.etcd_dir, ignore_errors=True)
-        if self._own_state_dir:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        try:
+            if self.node is not None:
+                node.teardown(self.node, self._stop_components, self._release_slot)
+                self.node = None
+        finally:  # whatever the node left, the control plane still goes
+            self._release_slot()
+            self._stop_components(list(self.pids))
+            if self.etcd_dir is not None:
+                shutil.rmtree(self.etcd_dir, ignore_errors=True)
+            if self._own_state_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _stop_components(self, names: list[str]) -> None:
         pids = {n: self.pids[n] for n in names if n in self.pids}
@@ -385,7 +394,7 @@ class DevCluster:
         cmd = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
         out = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
         if check and out.returncode != 0:
-            raise subprocess.CalledProcessError(out.returncode, cmd, out.stdout, out.stderr)
+            raise KubectlError(out.returncode, cmd, out.stdout, out.stderr)
         return out
 
     def api_client(self):

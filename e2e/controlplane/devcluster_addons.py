@@ -23,8 +23,10 @@ from __future__ import annotations
 import ast
 import base64
 import copy
+import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,9 @@ def coredns_args(state_dir: Path, listen_ip: str, kubeconfig: Path, health_port:
             "        pods insecure",
             "        fallthrough in-addr.arpa ip6.arpa",
             "    }",
+            "    template ANY ANY {",  # offline: every other name does not exist (not SERVFAIL)
+            "        rcode NXDOMAIN",
+            "    }",
             "    cache 5",
             "}",
             "",
@@ -140,14 +145,29 @@ def install_inference_pool_crds(cluster) -> list[str]:
     return install_crds(cluster, files)
 
 
-def install_crds(cluster, files: list[Path]) -> list[str]:
+def install_crds(cluster, files: list[Path], timeout_s: float = 60.0) -> list[str]:
+    """Apply CRDs server-side and wait until each is Established. (`kubectl wait` fails outright on a
+    CRD created a moment ago: it has no status.conditions yet.)"""
     names = [yaml.safe_load(f.read_text())["metadata"]["name"] for f in files]
     args = ["apply", "--server-side", "--force-conflicts"]
     for f in files:
         args += ["-f", str(f)]
     cluster.kubectl(*args)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{n}" for n in names))
-    return names
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = cluster.kubectl("get", "crd", "-o", "json", check=False)
+        items = json.loads(out.stdout)["items"] if out.returncode == 0 else []
+        established = {c["metadata"]["name"] for c in items if _has_condition(c, "Established")}
+        if established >= set(names):
+            return names
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"CRDs not Established after {timeout_s}s: {sorted(set(names) - established)}")
+        time.sleep(0.2)
+
+
+def _has_condition(obj: dict[str, Any], type_: str) -> bool:
+    conditions = (obj.get("status") or {}).get("conditions") or []
+    return any(c["type"] == type_ and c["status"] == "True" for c in conditions)
 
 
 # ---- the dev env ---------------------------------------------------------------------------------

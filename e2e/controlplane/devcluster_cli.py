@@ -94,9 +94,11 @@ def _cmd_down(args: argparse.Namespace) -> int:
     def stop(names: list[str]) -> None:
         procs.stop_processes({n: pids.pop(n) for n in names if n in pids}, binaries=binaries)
 
-    if state.get("node"):
-        node.teardown(state["node"], stop)
-    stop(list(pids))
+    try:
+        if state.get("node"):
+            node.teardown(state["node"], stop)
+    finally:
+        stop(list(pids))
     if state.get("etcd_dir", "None") != "None":
         shutil.rmtree(state["etcd_dir"], ignore_errors=True)
     (args.state_dir / STATE_FILE).unlink()

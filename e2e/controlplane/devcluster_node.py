@@ -164,6 +164,9 @@ def write_containerd_config(node_dir: Path, sandbox_image: str) -> Path:
             f"[{cri}]",
             f'  sandbox_image = "{sandbox_image}"',
             "  disable_apparmor = true",
+            # The kubelet gives sandboxes oom_score_adj -998; lowering it needs CAP_SYS_RESOURCE, which
+            # some sandboxed hosts (this project's VMs) drop from every process: clamp to containerd's own.
+            "  restrict_oom_score_adj = true",
             f"[{cri}.containerd]",
             '  snapshotter = "overlayfs"',
             '  default_runtime_name = "runc"',
@@ -203,6 +206,7 @@ def write_cni_config(node_dir: Path, addrs: NodeAddresses) -> None:
             }
         ],
     }
+    (node_dir / "cni").mkdir(parents=True, exist_ok=True)
     (node_dir / "cni" / "10-tidepool.conflist").write_text(json.dumps(conf, indent=2))
 
 
@@ -265,6 +269,7 @@ def kube_proxy_args(node_dir: Path, addrs: NodeAddresses, pki: Pki, server: str)
         "clusterCIDR": addrs.pod_cidr,
         "healthzBindAddress": "127.0.0.1:10256",
         "metricsBindAddress": "127.0.0.1:10249",
+        "nodePortAddresses": ["primary"],
         "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"},
         # SNAT all Service traffic: replies return through the node's conntrack without br_netfilter
         "iptables": {"masqueradeAll": True, "localhostNodePorts": False},

@@ -182,7 +182,7 @@ def kill_node_processes(cgroup_root: str, netns_inode: int | None, timeout_s: fl
     """SIGKILL every process in the node's cgroups (pods) or network namespace (containerd, shims,
     kubelet, the holder) until none is left. The node's own netns is never the host's, so this never
     matches a host process."""
-    host_netns = os.stat("/proc/1/ns/net").st_ino
+    host_netns = os.stat("/proc/self/ns/net").st_ino  # this process runs in the host netns
     deadline = time.monotonic() + timeout_s
     while True:
         pids = _cgroup_pids(cgroup_root)

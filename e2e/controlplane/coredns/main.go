@@ -16,10 +16,12 @@ import (
 	_ "github.com/coredns/coredns/plugin/kubernetes"
 	_ "github.com/coredns/coredns/plugin/log"
 	_ "github.com/coredns/coredns/plugin/ready"
+	_ "github.com/coredns/coredns/plugin/template"
 )
 
-// Order matters: it is the order in which the plugins see a query.
-var directives = []string{"bind", "errors", "log", "health", "ready", "cache", "kubernetes"}
+// Order matters: it is the order in which the plugins see a query. `template` answers NXDOMAIN for
+// names outside the cluster's zones (the dev cluster is offline: there is nothing to forward to).
+var directives = []string{"bind", "errors", "log", "health", "ready", "cache", "kubernetes", "template"}
 
 func init() {
 	dnsserver.Directives = directives
