@@ -109,44 +109,87 @@ def pause_image(bin_dir: Path) -> Image:
 
 
 def _base_layer() -> Layer:
-    """The Debian root filesystem as one layer, built once per recipe (debootstrap: ~2 min, network)."""
-    key = _key(SUITE, RECIPE, *PACKAGES)
-    layer_path = cache_dir() / f"devbase-{key}.layer"
+    """The dev engine's Debian root filesystem (debootstrap: ~2.5 min cold, network), cached."""
+    return _debootstrap_layer("devbase", PACKAGES, RECIPE, _dev_tweaks)
+
+
+def _debootstrap_layer(name: str, packages: list[str], recipe: str, finish) -> Layer:
+    """A `debootstrap --variant=minbase` root filesystem with `packages`, trimmed and finished by
+    `finish(rootfs)`, as one layer; cached on (suite, recipe, packages)."""
+    key = _key(SUITE, recipe, *packages)
+    layer_path = cache_dir() / f"{name}-{key}.layer"
     meta = layer_path.with_suffix(".json")
     if meta.exists() and layer_path.exists():
         info = json.loads(meta.read_text())
         return Layer(layer_path, info["digest"], info["size"])
-    work = Path(tempfile.mkdtemp(prefix="devbase-", dir=cache_dir()))
+    work = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=cache_dir()))
     try:
         rootfs = work / "rootfs"
         print(f"debootstrap {SUITE} ({MIRROR}) into {rootfs}: a few minutes, once per machine", file=sys.stderr)
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(rootfs), MIRROR]
+        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE, str(rootfs), MIRROR]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         _trim(rootfs)
+        finish(rootfs)
         layer = write_layer(layer_path, root=rootfs)
-        meta.write_text(json.dumps({"digest": layer.digest, "size": layer.size, "packages": PACKAGES}))
+        meta.write_text(json.dumps({"digest": layer.digest, "size": layer.size, "packages": packages}))
         return layer
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _trim(rootfs: Path) -> None:
-    """Drop what a container never uses; let non-root pods traverse to mounts under /root."""
+    """Drop what a container never uses (apt caches, docs, device nodes: the runtime mounts /dev)."""
     for sub in ("var/cache/apt", "var/lib/apt/lists", "usr/share/doc", "usr/share/man", "usr/share/locale"):
         shutil.rmtree(rootfs / sub, ignore_errors=True)
-    for dev in (rootfs / "dev").iterdir():  # the runtime mounts /dev; device nodes have no place in a layer
+    for dev in (rootfs / "dev").iterdir():
         if dev.is_dir() and not dev.is_symlink():
             shutil.rmtree(dev)
         else:
             dev.unlink()
+
+
+def _dev_tweaks(rootfs: Path) -> None:
+    """Let non-root pods traverse to mounts under /root and give their uids a passwd entry."""
     # the host's Python often lives under /root (pyenv): its mount point must be reachable by the pod's uid
     (rootfs / "root").chmod(0o755)
     with open(rootfs / "etc" / "passwd", "a") as fh:  # torch asks getpass.getuser(), which needs an entry
         fh.writelines(f"tidepool{uid}:x:{uid}:{uid}::/tmp:/usr/sbin/nologin\n" for uid in RUN_AS_IDS)
     with open(rootfs / "etc" / "group", "a") as fh:
         fh.writelines(f"tidepool{uid}:x:{uid}:\n" for uid in RUN_AS_IDS)
+
+
+def python_standin() -> Image:
+    """A local stand-in for `python:3.11-slim` (no registry here): Debian's python3.11 + pip, no compiler,
+    `python`/`pip` on PATH as in the official image. For e2e/images/check-dockerfile.sh only."""
+    packages = ["python3.11", "python3-pip", "ca-certificates"]
+
+    def finish(rootfs: Path) -> None:
+        for name, target in (
+            ("python", "/usr/bin/python3.11"),
+            ("python3", "/usr/bin/python3.11"),
+            ("pip", "/usr/bin/pip3"),
+        ):
+            link = rootfs / "usr" / "local" / "bin" / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(target)
+
+    with _Lock(cache_dir() / ".lock"):
+        layer = _debootstrap_layer("pystandin", packages, "1", finish)
+        env = {
+            "PATH": "/usr/local/bin:/usr/local/sbin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+            # Debian marks its python "externally managed"; the official image's is not
+            "PIP_BREAK_SYSTEM_PACKAGES": "1",
+        }
+        config = image_config([layer], [], env)
+        config["config"]["Cmd"] = ["python3"]
+        ref = f"{REGISTRY}/python-standin:{_key(layer.digest, json.dumps(config, sort_keys=True))}"
+        out = cache_dir() / f"python-standin-{ref.rsplit(':', 1)[1]}.tar"
+        if not out.exists():
+            write_archive(out, ref, [layer], config)
+    return Image(out, ref)
 
 
 def dev_image(venv: Path, out_dir: Path) -> Image:
@@ -166,7 +209,9 @@ def dev_image(venv: Path, out_dir: Path) -> Image:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("image", choices=("pause", "dev", "base"), help="base: only the cached root filesystem")
+    parser.add_argument(
+        "image", choices=("pause", "dev", "base", "python-standin"), help="base: only the dev root filesystem"
+    )
     parser.add_argument("--bin-dir", type=Path, help="where build.sh put `pause` (pause image)")
     parser.add_argument("--venv", type=Path, default=Path(sys.prefix), help="venv on the image's PATH (dev image)")
     parser.add_argument("--out", type=Path, default=Path.cwd(), help="folder for the dev archive (default: cwd)")
@@ -176,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             layer = _base_layer()
         print(layer.path)
         return 0
-    if args.image == "pause":
+    if args.image == "python-standin":
+        image = python_standin()
+    elif args.image == "pause":
         if args.bin_dir is None:
             parser.error("pause needs --bin-dir")
         image = pause_image(args.bin_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ __all__ = ["condition", "get_isvc", "install_crd", "is_ready", "operator_identit
 TIDEPOOL = Path(sys.executable).with_name("tidepool")
 MODEL_URI = "pvc://tidepool-dev-models/tiny-llama"
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]+(Error|Exception): ")
 
 
 class Operator:
@@ -64,8 +66,15 @@ class Operator:
                 self.proc.wait(5)
 
     def forbidden_lines(self) -> list[str]:
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        return [line for line in text.splitlines() if "forbidden" in line.lower()]
+        return [line for line in self._lines() if "forbidden" in line.lower()]
+
+    def errors(self, last: int = 10) -> str:
+        """The operator's last ERROR lines and exception messages (a traceback's last line)."""
+        picked = [line for line in self._lines() if "ERROR" in line or _EXCEPTION_LINE.match(line)]
+        return "\n".join(picked[-last:])
+
+    def _lines(self) -> list[str]:
+        return (self.log.read_text(errors="replace") if self.log.exists() else "").splitlines()
 
 
 def cpu_service(name: str, image: str, replicas: int = 1, **spec: Any) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def test_autoscaler_scrapes_real_metrics_and_scales_up_under_load(real_cluster, 
                 600, "the second engine pod Ready", interval_s=2,
             )  # fmt: skip
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\n{describe(real_cluster, ns)}") from None
+            raise AssertionError(f"{exc}\noperator errors:\n{op.errors()}\n{describe(real_cluster, ns)}") from None
         finally:
             load.close()
         inputs = auto["pools"]["unified"]["inputs"]

@@ -75,6 +75,12 @@ def leftovers(node: dict, pids: dict[str, int], state_dir: Path) -> list[str]:
     return found
 
 
+def assert_sees_a_live_node(found: list[str]) -> None:
+    """`leftovers()` on a running node must find it: otherwise an empty answer after stop proves nothing."""
+    kinds = {item.split()[0] for item in found}
+    assert {"process", "link", "route", "cgroup", "slot"} <= kinds, found
+
+
 def test_stop_leaves_nothing_and_a_second_start_works(real_cluster, tmp_path):
     devcluster = load_devcluster()
     for attempt in range(2):  # the second start reuses the folder and finds a clean slate
@@ -85,6 +91,7 @@ def test_stop_leaves_nothing_and_a_second_start_works(real_cluster, tmp_path):
             node, pids = dict(cluster.node), dict(cluster.pids)
             assert node["slot"] != real_cluster.node["slot"]
             run_a_pod(cluster, cluster._images[0].ref)
+            assert_sees_a_live_node(leftovers(node, pids, tmp_path / "second"))
         assert leftovers(node, pids, tmp_path / "second") == [], f"start {attempt + 1}"
 
 
@@ -108,6 +115,7 @@ def test_cli_up_down_leaves_nothing_and_up_works_again(real_cluster, tmp_path):
             lines = sorted(nodes.stdout.splitlines())
             assert [line.split()[:2] for line in lines] == [["kwok-gpu-0", "Ready"], ["tidepool-real-0", "Ready"]]
             assert cli("status").returncode == 0
+            assert_sees_a_live_node(leftovers(state["node"], state["pids"], state_dir))
         finally:
             down = cli("down")
         assert down.returncode == 0, down.stderr
