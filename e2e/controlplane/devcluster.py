@@ -35,23 +35,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import devcluster_addons as addons
+import devcluster_components as comp
 import devcluster_node as node
 import devcluster_procs as procs
 from devcluster_addons import DevEnv
+from devcluster_components import GPU_PRODUCT, GPU_TAINT, GPUS_PER_NODE, KWOK_ANNOTATION, gpu_node
 from devcluster_pki import SERVICE_CLUSTER_IP_RANGE, make_pki, sign, write_kubeconfig
 from devcluster_slot import acquire_slot
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
-KWOK_STAGES = HERE / "kwok-stages.yaml"
 BINARIES = (
     "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm",
     "kubelet", "kube-proxy", "coredns", "pause", "lws-controller",
 )  # fmt: skip
-KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
-GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
-GPUS_PER_NODE = 8
+__all__ = ["GPUS_PER_NODE", "GPU_PRODUCT", "GPU_TAINT", "KWOK_ANNOTATION", "DevCluster", "gpu_node"]
 STATE_FILE = "state.json"
 NODE_TIMEOUT_S = 180.0  # the real node's first start imports images and sets up cgroups: slower on a busy host
 
@@ -110,48 +108,6 @@ def _tail(path: Path, num_lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
     except FileNotFoundError:
         return "(no log)"
-
-
-def gpu_node(name: str, tainted: bool = False) -> dict:
-    """A fake GPU node KWOK will manage: 8 GPUs, NVIDIA GPU-feature-discovery labels."""
-    resources = {
-        "cpu": "64",
-        "memory": "512Gi",
-        "pods": "110",
-        "ephemeral-storage": "1Ti",
-        "nvidia.com/gpu": str(GPUS_PER_NODE),
-    }
-    labels = {
-        "kubernetes.io/hostname": name,
-        "kubernetes.io/os": "linux",
-        "kubernetes.io/arch": "amd64",
-        "node-role.kubernetes.io/agent": "",
-        "type": "kwok",
-        "nvidia.com/gpu.present": "true",
-        "nvidia.com/gpu.product": GPU_PRODUCT,
-        "nvidia.com/gpu.count": str(GPUS_PER_NODE),
-        "nvidia.com/gpu.memory": "81559",
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1], "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": labels,
-        },
-        "spec": {"taints": [GPU_TAINT]} if tainted else {},
-        "status": {
-            "capacity": resources,
-            "allocatable": resources,
-            "nodeInfo": {
-                "architecture": "amd64",
-                "operatingSystem": "linux",
-                "kubeletVersion": "fake",
-                "kubeProxyVersion": "fake",
-            },
-        },
-    }
 
 
 class DevCluster:
@@ -221,73 +177,21 @@ class DevCluster:
         write_kubeconfig(self.kubeconfig, self.server, pki)
         kc = str(self.kubeconfig)
 
-        self._spawn(
-            "etcd",
-            [
-                "--name=tidepool",
-                f"--data-dir={self.etcd_dir / 'data'}",
-                f"--listen-client-urls=http://127.0.0.1:{etcd}",
-                f"--advertise-client-urls=http://127.0.0.1:{etcd}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=tidepool=http://127.0.0.1:{peer}",
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
-        )
+        self._spawn("etcd", comp.etcd_args(self.etcd_dir / "data", etcd, peer))
         (self.etcd_dir / procs.OWNER_FILE).write_text(str(self.pids["etcd"]))
         # The apiserver's etcd client backs off for seconds if etcd is not up yet.
         self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd}/health"))
         kubelet_client = sign(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
         self._spawn(
             "kube-apiserver",
-            [
-                f"--etcd-servers=http://127.0.0.1:{etcd}",
-                f"--bind-address={bind}",
-                f"--advertise-address={bind}",
-                f"--secure-port={api}",
-                f"--tls-cert-file={pki.apiserver_crt}",
-                f"--tls-private-key-file={pki.apiserver_key}",
-                f"--client-ca-file={pki.ca_crt}",
-                f"--service-cluster-ip-range={service_cidr}",
-                "--allow-privileged=true",
-                "--authorization-mode=Node,RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki.sa_pub}",
-                f"--service-account-signing-key-file={pki.sa_key}",
-                f"--kubelet-client-certificate={kubelet_client[0]}",
-                f"--kubelet-client-key={kubelet_client[1]}",
-                "--kubelet-preferred-address-types=InternalIP",
-                # Endpoints may not hold loopback addresses; pods need the `kubernetes` Service only
-                # when a real node runs them, and then the apiserver is on the node's veth.
-                f"--endpoint-reconciler-type={'lease' if addrs else 'none'}",
-                "--profiling=false",
-            ],
+            comp.apiserver_args(pki, etcd, bind, api, service_cidr, kubelet_client, real_node=addrs is not None),
         )
         self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200)
-        self._spawn(
-            "kube-controller-manager",
-            [
-                f"--kubeconfig={kc}",
-                "--leader-elect=false",
-                "--secure-port=0",
-                f"--service-account-private-key-file={pki.sa_key}",
-                f"--root-ca-file={pki.ca_crt}",
-                "--profiling=false",
-            ],
-        )
-        self._spawn("kube-scheduler", [f"--kubeconfig={kc}", "--leader-elect=false", "--secure-port=0"])
-        self._spawn(
-            "kwok",
-            [
-                f"--kubeconfig={kc}",
-                f"--config={KWOK_STAGES}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
-            ],
-        )
+        self._spawn("kube-controller-manager", comp.controller_manager_args(kc, pki))
+        self._spawn("kube-scheduler", comp.scheduler_args(kc))
+        self._spawn("kwok", comp.kwok_args(kc))
         for i in range(self.num_nodes):
-            status, body = self._request("POST", "/api/v1/nodes", gpu_node(f"kwok-gpu-{i}", tainted=bool(addrs)))
+            status, body = self._request("POST", "/api/v1/nodes", comp.gpu_node(f"kwok-gpu-{i}", tainted=bool(addrs)))
             if status != 201:
                 raise ClusterStartError(f"creating node kwok-gpu-{i}: HTTP {status} {body}")
         if self.lws:
@@ -455,10 +359,10 @@ class DevCluster:
         timeout_s = max(self.timeout_s, timeout_s or 0)
         deadline = time.monotonic() + timeout_s
         while True:
-            for comp, proc in self._procs.items():
+            for component, proc in self._procs.items():
                 if proc.poll() is not None:
-                    log = self.state_dir / f"{comp}.log"
-                    raise ClusterStartError(f"{comp} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
+                    log = self.state_dir / f"{component}.log"
+                    raise ClusterStartError(f"{component} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
             try:
                 if ready():
                     self.timings[name] = round(time.monotonic() - self._t0, 2)

@@ -300,7 +300,7 @@ def teardown(
     stop(["kube-proxy", "kubelet"])
     kill_node_processes(node["cgroup_root"], None)  # pods (in the slot's cgroups) first
     stop(["containerd"])
-    kill_node_processes(node["cgroup_root"], node["netns_inode"])  # shims, the holder, anything left
+    kill_node_processes(node["cgroup_root"], node["netns_inode"], node["node_ip"])  # shims, the holder
     stop(["node-holder"])
     remove_cgroups(node["cgroup_root"])
     if release is not None:

@@ -126,7 +126,7 @@ def sweep(k: int) -> None:
         info = json.loads(path.read_text())
     except (FileNotFoundError, ValueError):
         return
-    kill_node_processes(info["cgroup_root"], info["netns_inode"])
+    kill_node_processes(info["cgroup_root"], info["netns_inode"], info["node_ip"])
     remove_cgroups(info["cgroup_root"])
     if _link_exists(info["host_link"]):
         subprocess.run(["ip", "link", "del", info["host_link"]], capture_output=True)
@@ -178,16 +178,36 @@ def _netns_pids(inode: int) -> set[int]:
     return pids
 
 
-def kill_node_processes(cgroup_root: str, netns_inode: int | None, timeout_s: float = 30.0) -> None:
+def _is_node_netns(pids: set[int], node_ip: str) -> bool | None:
+    """Does the netns these pids share hold the node's address (so it is the node's, not another
+    namespace given the same inode number after the node's was freed)? None: every pid was gone."""
+    for pid in sorted(pids):
+        out = subprocess.run(
+            ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-4", "-o", "addr"], capture_output=True, text=True
+        )
+        if out.returncode == 0:
+            return f" {node_ip}/" in out.stdout
+    return None
+
+
+def kill_node_processes(cgroup_root: str, netns_inode: int | None, node_ip: str = "", timeout_s: float = 30.0) -> None:
     """SIGKILL every process in the node's cgroups (pods) or network namespace (containerd, shims,
-    kubelet, the holder) until none is left. The node's own netns is never the host's, so this never
-    matches a host process."""
+    kubelet, the holder) until none is left. A network namespace counts only if it is not the host's
+    and carries `node_ip`, so this never matches a host process or a stranger's namespace."""
     host_netns = os.stat("/proc/self/ns/net").st_ino  # this process runs in the host netns
     deadline = time.monotonic() + timeout_s
+    checked_netns = False
     while True:
         pids = _cgroup_pids(cgroup_root)
         if netns_inode and netns_inode != host_netns:
-            pids |= _netns_pids(netns_inode)
+            in_netns = _netns_pids(netns_inode)
+            if in_netns and not checked_netns:
+                verdict = _is_node_netns(in_netns, node_ip)
+                checked_netns = verdict is not None
+                if verdict is not True:  # a stranger's namespace, or nobody left to ask: kill nothing there
+                    netns_inode = None if verdict is False else netns_inode
+                    in_netns = set()
+            pids |= in_netns
         pids.discard(os.getpid())
         if not pids:
             return
