@@ -1,18 +1,25 @@
-"""pytest plugin: the session-scoped `control_plane` fixture (a real local Kubernetes).
+"""pytest plugin: the session-scoped `control_plane` and `real_cluster` fixtures (a real local Kubernetes).
 
-One control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
-with fake GPU nodes; see e2e/controlplane/devcluster.py) is shared by the whole test run
-and torn down at its end. It yields a `DevCluster`: `.kubeconfig` (path), `.api_client()`
-(a fresh kubernetes ApiClient), `.kubectl(*args)`, `.bin_dir`, `.server`.
+`control_plane`: one control plane (etcd, kube-apiserver, kube-controller-manager, kube-scheduler,
+kwok with fake GPU nodes, the LeaderWorkerSet controller; see e2e/controlplane/devcluster.py),
+shared by the whole test run and torn down at its end. It yields a `DevCluster`: `.kubeconfig`
+(path), `.api_client()` (a fresh kubernetes ApiClient), `.kubectl(*args)`, `.bin_dir`, `.server`.
+
+`real_cluster` (the `realpods` tier): the same plus a real node (containerd + kubelet +
+kube-proxy + CoreDNS) running the dev engine image with this checkout's environment mounted
+(DEV ONLY, e2e/README.md); `.dev_image` is the image to put in `spec.engine.image`, and
+`rp_namespace` is a fresh namespace where Tidepool's pods get that environment.
 
 Binaries come from $TIDEPOOL_K8S_BIN_DIR, else `bash e2e/controlplane/build.sh
---print-bin-dir`. When they are missing the fixture FAILS (never skips) and names the
-build command. Component logs stay in pytest's tmp dir (`control-plane*/<component>.log`).
-Env: TIDEPOOL_KWOK_NODES (default 2) fake GPU nodes with 8 `nvidia.com/gpu` each.
+--print-bin-dir`. When they (or, for a real node, root and the Debian packages of
+e2e/node/install-deps.sh) are missing the fixture FAILS (never skips) and names the command
+that fixes it. Component logs stay in pytest's tmp dir (`control-plane*/<component>.log`,
+`real-cluster*/`). Env: TIDEPOOL_KWOK_NODES (default 2) fake GPU nodes with 8 `nvidia.com/gpu` each.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -34,23 +41,84 @@ def load_devcluster() -> ModuleType:
     return devcluster
 
 
+def _bin_dir(devcluster: ModuleType) -> Path:
+    try:
+        return devcluster.find_bin_dir()
+    except devcluster.BinariesMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     devcluster = load_devcluster()
-    try:
-        bin_dir = devcluster.find_bin_dir()
-    except devcluster.BinariesMissingError as exc:
-        pytest.fail(str(exc), pytrace=False)
     cluster = devcluster.DevCluster(
         num_nodes=int(os.environ.get("TIDEPOOL_KWOK_NODES", "2")),
         state_dir=tmp_path_factory.mktemp("control-plane"),
-        bin_dir=bin_dir,
+        bin_dir=_bin_dir(devcluster),
     )
     cluster.start()  # on failure it cleans up and raises with the failing log's tail
     try:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    devcluster = load_devcluster()
+    import devcluster_addons
+    import devcluster_node
+
+    bin_dir = _bin_dir(devcluster)
+    problem = devcluster_node.real_node_problem()
+    if problem:
+        pytest.fail(f"the real-pod tier cannot run here: {problem}", pytrace=False)
+    cluster = devcluster.DevCluster(
+        num_nodes=1,
+        state_dir=tmp_path_factory.mktemp("real-cluster"),
+        bin_dir=bin_dir,
+        real_node=True,
+        dev_env=devcluster_addons.DevEnv.for_venv(Path(sys.prefix)),
+    )
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def dev_namespace(cluster, name: str, models: Path) -> Iterator[str]:
+    """A namespace on the real cluster, enforcing Pod Security "restricted", where Tidepool's pods run
+    this checkout (the dev env), with `pvc://tidepool-dev-models/<folder>` -> `models/<folder>`;
+    deleted (not awaited) afterwards, with its PersistentVolumes."""
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+    cluster.enable_dev_env(name, models)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+        cluster.kubectl("delete", "pv", "-l", f"tidepool.dev/dev-env={name[:63]}", "--wait=false", check=False)
+
+
+@pytest.fixture
+def rp_namespace(real_cluster, rp_models: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh `dev_namespace` per test."""
+    with dev_namespace(real_cluster, _namespace_name(request), rp_models) as name:
+        yield name
+
+
+@pytest.fixture(scope="session")
+def rp_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Models the real-pod tests serve, readable by the pods' non-root uid: `tiny-llama` (random weights)."""
+    from tidepool.engine.make_model import make_model
+
+    root = tmp_path_factory.mktemp("rp-models")
+    make_model("llama", "tiny", root / "tiny-llama", seed=0)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return root
 
 
 def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.25, what: str = ""):
@@ -67,14 +135,18 @@ def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.25, what:
     pytest.fail(f"timed out after {timeout_s}s waiting for {what or predicate} (last: {last!r})")
 
 
-@pytest.fixture
-def cp_namespace(control_plane, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace on the shared control plane, deleted (not awaited) afterwards."""
+def _namespace_name(request: pytest.FixtureRequest) -> str:
     import re
     import uuid
 
     stem = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
-    name = f"{stem}-{uuid.uuid4().hex[:6]}"
+    return f"{stem}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def cp_namespace(control_plane, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace on the shared control plane, deleted (not awaited) afterwards."""
+    name = _namespace_name(request)
     control_plane.kubectl("create", "namespace", name)
     try:
         yield name

@@ -3,7 +3,10 @@
 # and cache them outside the clone, keyed on every pinned version:
 #
 #   ${TIDEPOOL_CACHE:-$HOME/.cache/tidepool}/k8s-<key>/bin/
-#     etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm
+#     etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm     (control plane)
+#     kubelet kube-proxy coredns pause lws-controller                                  (the real node, LWS)
+#   ${TIDEPOOL_CACHE:-$HOME/.cache/tidepool}/k8s-<key>/manifests/
+#     lws/ (CRDs, webhook configurations)  inference-extension/ (InferencePool CRDs)
 #
 # Usage:
 #   bash e2e/controlplane/build.sh                  build what is missing; last stdout line = bin dir
@@ -21,20 +24,31 @@ K8S_VERSION=v1.36.3      # k8s.io/kubernetes; staging modules k8s.io/* at v0.36.
 ETCD_VERSION=v3.6.16     # go.etcd.io/etcd/server/v3
 KWOK_VERSION=v0.8.0      # sigs.k8s.io/kwok
 HELM_VERSION=v3.22.0     # helm.sh/helm/v3
-BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
+LWS_VERSION=v0.7.0       # sigs.k8s.io/lws (LeaderWorkerSet controller + CRDs)
+COREDNS_VERSION=v1.14.7  # github.com/coredns/coredns (our own main: e2e/controlplane/coredns)
+GAIE_VERSION=v1.0.0      # sigs.k8s.io/gateway-api-inference-extension (InferencePool CRDs only)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm
+  kubelet kube-proxy coredns pause lws-controller)
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# Go sources of our own that are built here; their content is part of the cache key.
+OWN_SOURCES=("$HERE/coredns/main.go" "$HERE/../images/pause/main.go")
 
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 CACHE_ROOT="${TIDEPOOL_CACHE:-$HOME/.cache/tidepool}"
 GO_VERSION="$(go env GOVERSION)"
-KEY="${K8S_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION}-${GO_VERSION}"
+SRC_HASH="$(cat "${OWN_SOURCES[@]}" | sha256sum | cut -c1-8)"
+KEY="${K8S_VERSION}-etcd${ETCD_VERSION}-kwok${KWOK_VERSION}-helm${HELM_VERSION}-lws${LWS_VERSION}"
+KEY+="-coredns${COREDNS_VERSION}-gaie${GAIE_VERSION}-${GO_VERSION}-${SRC_HASH}"
 KEY_DIR="$CACHE_ROOT/k8s-$KEY"
 BIN_DIR="$KEY_DIR/bin"
+MANIFEST_DIR="$KEY_DIR/manifests"
 STAMP="$BIN_DIR/.complete"
 
 is_complete() {
   [[ -f "$STAMP" ]] || return 1
   local b
   for b in "${BINARIES[@]}"; do [[ -x "$BIN_DIR/$b" ]] || return 1; done
+  [[ -d "$MANIFEST_DIR/lws" && -d "$MANIFEST_DIR/inference-extension" ]]
 }
 
 case "${1:-}" in
@@ -109,7 +123,9 @@ k8s_module() {
     "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" \
     "k8s.io/kubernetes/cmd/kube-controller-manager@$K8S_VERSION" \
     "k8s.io/kubernetes/cmd/kube-scheduler@$K8S_VERSION" \
-    "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION")
+    "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" \
+    "k8s.io/kubernetes/cmd/kubelet@$K8S_VERSION" \
+    "k8s.io/kubernetes/cmd/kube-proxy@$K8S_VERSION")
 }
 
 k8s_ldflags() {
@@ -154,16 +170,56 @@ go_install() {  # go_install NAME PKG@VERSION LDFLAGS
     && mv -f "$gobin/$1" "$BIN_DIR/$1"
 }
 
+# ---- LWS: `go install ...@v0.7.0` asks the proxy for the module's version list (to look for a
+# deprecation notice), which the proxy refuses for sigs.k8s.io/lws (403); a scratch module that
+# requires the exact version never lists.
+module_build() {  # module_build NAME MODULE VERSION PACKAGE GO-VERSION LDFLAGS
+  local dir="$SRC/$1"
+  rm -rf "$dir"; mkdir -p "$dir"
+  printf 'module tidepool.local/%sbuild\n\ngo %s\n\nrequire %s %s\n' "$1" "$5" "$2" "$3" > "$dir/go.mod"
+  (cd "$dir" && go build -p "$PAR" -trimpath -ldflags "$6" -o "$BIN_DIR/$1.tmp" "$4") \
+    && mv -f "$BIN_DIR/$1.tmp" "$BIN_DIR/$1"
+}
+
+# ---- our own mains (CoreDNS with a chosen plugin set, the pause container): scratch modules
+own_main() {  # own_main NAME MAIN.GO GO-VERSION [MODULE@VERSION]
+  local dir="$SRC/$1"
+  rm -rf "$dir"; mkdir -p "$dir"
+  cp "$2" "$dir/main.go"
+  printf 'module tidepool.local/%sbuild\n\ngo %s\n' "$1" "$3" > "$dir/go.mod"
+  if [[ -n "${4:-}" ]]; then (cd "$dir" && go get "$4") || return 1; fi
+  (cd "$dir" && go build -p "$PAR" -trimpath -ldflags "-s -w" -o "$BIN_DIR/$1.tmp" .) \
+    && mv -f "$BIN_DIR/$1.tmp" "$BIN_DIR/$1"
+}
+
+# ---- manifests shipped inside Go modules (CRDs, webhook configurations)
+module_dir() {  # module_dir MODULE@VERSION: download it, print its source folder
+  go mod download -json "$1" | jq -er .Dir
+}
+
+copy_manifests() {
+  local lws gaie
+  lws="$(module_dir "sigs.k8s.io/lws@$LWS_VERSION")" || return 1
+  gaie="$(module_dir "sigs.k8s.io/gateway-api-inference-extension@$GAIE_VERSION")" || return 1
+  rm -rf "$MANIFEST_DIR"; mkdir -p "$MANIFEST_DIR/lws" "$MANIFEST_DIR/inference-extension"
+  cp "$lws"/config/crd/bases/*.yaml "$MANIFEST_DIR/lws/"
+  cp "$lws/config/webhook/manifests.yaml" "$MANIFEST_DIR/lws/webhooks.yaml"
+  cp "$lws/config/webhook/mutating-patch.yaml" "$lws/config/webhook/validating-patch.yaml" "$MANIFEST_DIR/lws/"
+  cp "$gaie"/config/crd/bases/*.yaml "$MANIFEST_DIR/inference-extension/"
+  chmod -R u+w "$MANIFEST_DIR"  # the module cache is read-only
+}
+
 echo "building control-plane binaries into $BIN_DIR ($GO_VERSION, -p $PAR)" >&2
 rm -f "$STAMP"
 [[ -x "$BIN_DIR/etcd" ]] || { step "etcd module $ETCD_VERSION" etcd_module; step "etcd" build_etcd; }
 need_k8s=0
-for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+K8S_CMDS=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+for b in "${K8S_CMDS[@]}"; do
   [[ -x "$BIN_DIR/$b" ]] || need_k8s=1
 done
 if (( need_k8s )); then
   step "k8s.io/kubernetes module $K8S_VERSION" k8s_module
-  for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  for b in "${K8S_CMDS[@]}"; do
     [[ -x "$BIN_DIR/$b" ]] || step "$b" build_k8s_cmd "$b"
   done
 fi
@@ -172,6 +228,13 @@ fi
 [[ -x "$BIN_DIR/helm" ]] || step "helm $HELM_VERSION" \
   go_install helm "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" \
   "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+[[ -x "$BIN_DIR/lws-controller" ]] || step "lws-controller $LWS_VERSION" \
+  module_build lws-controller sigs.k8s.io/lws "$LWS_VERSION" sigs.k8s.io/lws/cmd 1.24.0 \
+  "-s -w -X sigs.k8s.io/lws/pkg/version.GitVersion=$LWS_VERSION"
+[[ -x "$BIN_DIR/coredns" ]] || step "coredns $COREDNS_VERSION" \
+  own_main coredns "$HERE/coredns/main.go" 1.25.0 "github.com/coredns/coredns@$COREDNS_VERSION"
+[[ -x "$BIN_DIR/pause" ]] || step "pause" own_main pause "$HERE/../images/pause/main.go" 1.26.0
+step "manifests (LWS $LWS_VERSION, inference extension $GAIE_VERSION)" copy_manifests
 
 # smoke-check: every binary runs and reports the pinned version (no `| head`: with pipefail
 # the writer's SIGPIPE would fail the build)
@@ -189,6 +252,11 @@ check_version "$K8S_VERSION" "$BIN_DIR/kubectl" version --client
 check_version "${ETCD_VERSION#v}" "$BIN_DIR/etcd" --version
 check_version "$KWOK_VERSION" "$BIN_DIR/kwok" --version
 check_version "$HELM_VERSION" "$BIN_DIR/helm" version --short
+check_version "$K8S_VERSION" "$BIN_DIR/kubelet" --version
+check_version "$K8S_VERSION" "$BIN_DIR/kube-proxy" --version
+check_version "CoreDNS-${COREDNS_VERSION#v}" "$BIN_DIR/coredns" -version
+check_version $'mod\tsigs.k8s.io/lws\t'"$LWS_VERSION" go version -m "$BIN_DIR/lws-controller"
+check_version "tidepool.local/pausebuild" go version -m "$BIN_DIR/pause"
 printf '%s\n' "$KEY" > "$STAMP"
 echo "built all in $((SECONDS - TOTAL_START))s" >&2
 echo "$BIN_DIR"

@@ -1,23 +1,26 @@
-"""A real, throw-away Kubernetes control plane on loopback, with KWOK fake GPU nodes.
+"""A real, throw-away Kubernetes cluster on this host: control plane, KWOK GPU nodes, LWS, a real node.
 
 `DevCluster` starts etcd (data on tmpfs, no fsync), kube-apiserver, kube-controller-manager,
-kube-scheduler and kwok from the binaries that `e2e/controlplane/build.sh` caches, with
-fresh certificates (devcluster_pki.py) and an admin kubeconfig, creates N fake GPU nodes and waits
-until the cluster is usable: /readyz is ok, every node is Ready and the `default`
-ServiceAccount exists. `stop()` kills every process group it started and waits for them,
-so no process or listening port stays behind.
+kube-scheduler and kwok from the binaries that `e2e/controlplane/build.sh` caches, with fresh
+certificates (devcluster_pki.py) and an admin kubeconfig, creates N fake GPU nodes, runs the
+LeaderWorkerSet controller (devcluster_addons.py) and, with `real_node=True`, one real node
+(containerd + kubelet + kube-proxy in their own namespaces, devcluster_node.py) with cluster DNS.
+It waits until the cluster is usable: /readyz is ok, every node is Ready, the `default`
+ServiceAccount exists. `stop()` kills every process it started (and the real node's pods and
+shims), so no process, listening port, mount, network namespace or cgroup stays behind.
 
 Invariants: every component runs in its own process group (start_new_session) and logs to
-`<state_dir>/<component>.log`; only etcd and kube-apiserver listen (controller-manager and
-scheduler run with --secure-port=0, kwok without a server); the nodes carry no taint, so
-ordinary pods schedule onto them.
+`<state_dir>/<component>.log`; without a real node only etcd, kube-apiserver and the LWS
+webhook listen, on 127.0.0.1; with one, the apiserver listens on the host side of the node's
+veth (pods reach it through the `kubernetes` Service), the KWOK GPU nodes carry the taint
+`nvidia.com/gpu=present:NoSchedule` (GPU pods tolerate it, as on real GPU nodes; CPU pods land on
+the real node, which has no GPUs), and CPU pods run for real.
 
-CLI: python e2e/controlplane/devcluster.py up|down|env|status [--nodes N] [--state-dir DIR]
+CLI: devcluster_cli.py (e2e/dev-cluster up|down|env|status|...).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,17 +34,24 @@ from http.client import HTTPSConnection
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import devcluster_addons as addons
+import devcluster_components as comp
+import devcluster_node as node
 import devcluster_procs as procs
-from devcluster_pki import SERVICE_CLUSTER_IP_RANGE, make_pki, write_kubeconfig
+from devcluster_addons import DevEnv
+from devcluster_components import GPU_PRODUCT, GPU_TAINT, GPUS_PER_NODE, KWOK_ANNOTATION, gpu_node
+from devcluster_pki import SERVICE_CLUSTER_IP_RANGE, make_pki, sign, write_kubeconfig
+from devcluster_slot import acquire_slot
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
-KWOK_STAGES = HERE / "kwok-stages.yaml"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm")
-KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
-GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
-GPUS_PER_NODE = 8
+BINARIES = (
+    "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "helm",
+    "kubelet", "kube-proxy", "coredns", "pause", "lws-controller",
+)  # fmt: skip
+__all__ = ["GPUS_PER_NODE", "GPU_PRODUCT", "GPU_TAINT", "KWOK_ANNOTATION", "DevCluster", "gpu_node"]
 STATE_FILE = "state.json"
+NODE_TIMEOUT_S = 180.0  # the real node's first start imports images and sets up cgroups: slower on a busy host
 
 
 class BinariesMissingError(RuntimeError):
@@ -50,6 +60,13 @@ class BinariesMissingError(RuntimeError):
 
 class ClusterStartError(RuntimeError):
     """A component failed to start; the message carries the tail of its log."""
+
+
+class KubectlError(subprocess.CalledProcessError):
+    """A kubectl command failed; unlike CalledProcessError, its message includes kubectl's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\n{(self.stderr or '').strip()}"
 
 
 def default_cache() -> Path:
@@ -73,7 +90,7 @@ def find_bin_dir() -> Path:
     if missing:
         raise BinariesMissingError(
             f"control-plane binaries missing in {bin_dir}: {', '.join(missing)}. "
-            "Build them first (~30 min cold on 2 cores, cached after): "
+            "Build them first (~40 min cold on 2 cores, cached after): "
             "bash e2e/controlplane/build.sh"
         )
     return bin_dir
@@ -93,49 +110,8 @@ def _tail(path: Path, num_lines: int = 40) -> str:
         return "(no log)"
 
 
-def gpu_node(name: str) -> dict:
-    """A fake GPU node KWOK will manage: 8 GPUs, NVIDIA GPU-feature-discovery labels."""
-    resources = {
-        "cpu": "64",
-        "memory": "512Gi",
-        "pods": "110",
-        "ephemeral-storage": "1Ti",
-        "nvidia.com/gpu": str(GPUS_PER_NODE),
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {
-            "name": name,
-            "annotations": {KWOK_ANNOTATION[0]: KWOK_ANNOTATION[1], "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-                "node-role.kubernetes.io/agent": "",
-                "type": "kwok",
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.product": GPU_PRODUCT,
-                "nvidia.com/gpu.count": str(GPUS_PER_NODE),
-                "nvidia.com/gpu.memory": "81559",
-            },
-        },
-        "spec": {},
-        "status": {
-            "capacity": resources,
-            "allocatable": resources,
-            "nodeInfo": {
-                "architecture": "amd64",
-                "operatingSystem": "linux",
-                "kubeletVersion": "fake",
-                "kubeProxyVersion": "fake",
-            },
-        },
-    }
-
-
 class DevCluster:
-    """One control plane. Use as a context manager, or start() / stop()."""
+    """One cluster. Use as a context manager, or start() / stop()."""
 
     def __init__(
         self,
@@ -144,19 +120,27 @@ class DevCluster:
         bin_dir: Path | None = None,
         timeout_s: float = 60.0,
         detached: bool = False,
+        real_node: bool = False,
+        dev_env: DevEnv | None = None,
+        lws: bool = True,
     ) -> None:
         self.detached = detached  # False: components die with this process (PDEATHSIG)
         self.bin_dir = bin_dir or find_bin_dir()
         self.num_nodes = num_nodes
         self.timeout_s = timeout_s
+        self.real_node, self.dev_env, self.lws = real_node, dev_env, lws
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir or tempfile.mkdtemp(prefix="tidepool-devcluster-"))
         self.kubeconfig = self.state_dir / "admin.kubeconfig"
         self.etcd_dir: Path | None = None
         self.ports: dict[str, int] = {}
         self.pids: dict[str, int] = {}
+        self.exes: dict[str, str] = {}  # component -> executable (so a recycled pid is never signalled)
         self._procs: dict[str, subprocess.Popen] = {}
         self.server = ""
+        self.node: dict | None = None  # the real node's slot record (devcluster_slot.py)
+        self.dev_image = ""  # image ref of the dev engine image on the real node
+        self._slot_fd: int | None = None
         self.timings: dict[str, float] = {}  # seconds from start() to each readiness step
 
     # ---- lifecycle -------------------------------------------------------------
@@ -177,100 +161,134 @@ class DevCluster:
     def _start(self) -> None:
         self._t0 = time.monotonic()
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        pki = make_pki(self.state_dir / "pki")
+        addrs = None
+        if self.real_node:
+            addrs = self._start_node_namespaces()
+        bind = addrs.host_ip if addrs else "127.0.0.1"
+        service_cidr = addrs.service_cidr if addrs else SERVICE_CLUSTER_IP_RANGE
+        service_ip = addrs.service_ip if addrs else "10.96.0.1"
+        pki = make_pki(self.state_dir / "pki", api_ips=(bind,), service_ip=service_ip)
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         procs.remove_stale_etcd_dirs(shm or Path(tempfile.gettempdir()))
         self.etcd_dir = Path(tempfile.mkdtemp(prefix=procs.ETCD_DIR_PREFIX, dir=shm))
         etcd, peer, api = procs.free_port(), procs.free_port(), procs.free_port()
         self.ports = {"etcd": etcd, "etcd-peer": peer, "kube-apiserver": api}
-        self.server = f"https://127.0.0.1:{api}"
+        self.server = f"https://{bind}:{api}"
         write_kubeconfig(self.kubeconfig, self.server, pki)
         kc = str(self.kubeconfig)
 
-        self._spawn(
-            "etcd",
-            [
-                "--name=tidepool",
-                f"--data-dir={self.etcd_dir / 'data'}",
-                f"--listen-client-urls=http://127.0.0.1:{etcd}",
-                f"--advertise-client-urls=http://127.0.0.1:{etcd}",
-                f"--listen-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
-                f"--initial-cluster=tidepool=http://127.0.0.1:{peer}",
-                "--unsafe-no-fsync",
-                "--log-level=warn",
-            ],
-        )
+        self._spawn("etcd", comp.etcd_args(self.etcd_dir / "data", etcd, peer))
         (self.etcd_dir / procs.OWNER_FILE).write_text(str(self.pids["etcd"]))
         # The apiserver's etcd client backs off for seconds if etcd is not up yet.
         self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd}/health"))
+        kubelet_client = sign(pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters")
         self._spawn(
             "kube-apiserver",
-            [
-                f"--etcd-servers=http://127.0.0.1:{etcd}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                f"--secure-port={api}",
-                f"--tls-cert-file={pki.apiserver_crt}",
-                f"--tls-private-key-file={pki.apiserver_key}",
-                f"--client-ca-file={pki.ca_crt}",
-                f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-                "--allow-privileged=true",
-                "--authorization-mode=RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki.sa_pub}",
-                f"--service-account-signing-key-file={pki.sa_key}",
-                # Endpoints may not hold loopback addresses; nothing in-cluster needs them.
-                "--endpoint-reconciler-type=none",
-                "--profiling=false",
-            ],
+            comp.apiserver_args(pki, etcd, bind, api, service_cidr, kubelet_client, real_node=addrs is not None),
         )
         self._wait("kube-apiserver", lambda: self._get("/readyz")[0] == 200)
-        self._spawn(
-            "kube-controller-manager",
-            [
-                f"--kubeconfig={kc}",
-                "--leader-elect=false",
-                "--secure-port=0",
-                f"--service-account-private-key-file={pki.sa_key}",
-                f"--root-ca-file={pki.ca_crt}",
-                "--profiling=false",
-            ],
-        )
-        self._spawn(
-            "kube-scheduler",
-            [
-                f"--kubeconfig={kc}",
-                "--leader-elect=false",
-                "--secure-port=0",
-            ],
-        )
-        self._spawn(
-            "kwok",
-            [
-                f"--kubeconfig={kc}",
-                f"--config={KWOK_STAGES}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={'='.join(KWOK_ANNOTATION)}",
-            ],
-        )
+        self._spawn("kube-controller-manager", comp.controller_manager_args(kc, pki))
+        self._spawn("kube-scheduler", comp.scheduler_args(kc))
+        self._spawn("kwok", comp.kwok_args(kc))
         for i in range(self.num_nodes):
-            status, body = self._request("POST", "/api/v1/nodes", gpu_node(f"kwok-gpu-{i}"))
+            status, body = self._request("POST", "/api/v1/nodes", comp.gpu_node(f"kwok-gpu-{i}", tainted=bool(addrs)))
             if status != 201:
                 raise ClusterStartError(f"creating node kwok-gpu-{i}: HTTP {status} {body}")
+        if self.lws:
+            self._start_lws(pki)
+        if addrs:
+            self._start_real_node(pki, addrs)
         self._wait("kwok", self._nodes_ready)
         self._wait(
             "kube-controller-manager", lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200
         )
 
+    def _start_node_namespaces(self):
+        """Images first (the dev image's base may need debootstrap), then the node's slot and namespaces."""
+        sys.path.insert(0, str(HERE.parent / "images"))
+        import build as images
+
+        node_dir = self.state_dir / "node"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        self._images = [images.pause_image(self.bin_dir)]
+        if self.dev_env is not None:
+            dev = images.dev_image(Path(self.dev_env.mounts["tidepool-dev-venv"]), node_dir)
+            self._images.append(dev)
+            self.dev_image = dev.ref
+        addrs, self._slot_fd = acquire_slot()
+        proc = node.start_holder(addrs, node_dir, self._slot_fd, None if self.detached else procs.die_with_parent)
+        holder = proc.pid
+        self._procs["node-holder"], self.pids["node-holder"] = proc, holder
+        self.exes["node-holder"] = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
+        self.node = {
+            "slot": addrs.slot,
+            "cgroup_root": addrs.cgroup_root,
+            "netns_inode": node.netns_inode(holder),
+            "host_ip": addrs.host_ip,
+            "node_ip": addrs.node_ip,
+            "pod_cidr": addrs.pod_cidr,
+            "service_cidr": addrs.service_cidr,
+            "node_name": node.NODE_NAME,
+        }
+        return addrs
+
+    def _start_lws(self, pki) -> None:
+        webhook, health = procs.free_port(), procs.free_port()
+        self.ports.update({"lws-webhook": webhook, "lws-health": health})
+        addons.install_crds(self, addons.lws_crd_files(self.bin_dir))
+        self._spawn("lws-controller", addons.lws_controller_args(self.state_dir, pki, self.kubeconfig, webhook, health))
+        self._wait("lws-controller", lambda: _http_ok(f"http://127.0.0.1:{health}/readyz") and procs.accepts(webhook))
+        configs = addons.lws_webhook_configs(self.bin_dir, pki.ca_crt, webhook)
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": configs}))
+
+    def _start_real_node(self, pki, addrs) -> None:
+        holder, node_dir = self.pids["node-holder"], self.state_dir / "node"
+        inside = node.nsenter(holder)
+        health, ready = procs.free_port(), procs.free_port()
+        self.ports.update({"coredns-health": health, "coredns-ready": ready})
+        self._spawn("coredns", addons.coredns_args(self.state_dir, addrs.host_ip, self.kubeconfig, health, ready))
+        node.write_cni_config(node_dir, addrs)
+        config = node.write_containerd_config(node_dir, self._images[0].ref)
+        self._spawn("containerd", [f"--config={config}"], exe="/usr/bin/containerd", wrapper=inside)
+        self._wait("containerd", lambda: node.ctr(holder, "version", timeout=10).returncode == 0, NODE_TIMEOUT_S)
+        for image in self._images:
+            node.import_image(holder, image.archive)
+            if image.archive.parent == node_dir:  # written for this import only (the dev image)
+                image.archive.unlink()
+        self.timings["images imported"] = round(time.monotonic() - self._t0, 2)
+        self._spawn("kubelet", node.kubelet_args(node_dir, addrs, pki, self.server), wrapper=inside)
+        self._spawn("kube-proxy", node.kube_proxy_args(node_dir, addrs, pki, self.server), wrapper=inside)
+        self._wait("coredns", lambda: _http_ok(f"http://127.0.0.1:{ready}/ready"), NODE_TIMEOUT_S)
+        self._wait("kubelet", self._real_node_ready, NODE_TIMEOUT_S)
+        if self.dev_env is not None:
+            docs = addons.dev_env_policy(self.dev_env)
+            self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+
     def stop(self) -> None:
-        """Kill every process group started here, wait for them, remove tmpfs data."""
-        procs.stop_processes(self.pids, self._procs)
-        self._procs.clear()
-        if self.etcd_dir is not None:
-            shutil.rmtree(self.etcd_dir, ignore_errors=True)
-        if self._own_state_dir:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+        """Stop the real node (pods, runtime, namespaces, cgroups), then every component; remove tmpfs data."""
+        try:
+            if self.node is not None:
+                node.teardown(self.node, self._stop_components, self._release_slot)
+                self.node = None
+        finally:  # whatever the node left, the control plane still goes
+            self._release_slot()
+            self._stop_components(list(self.pids))
+            if self.etcd_dir is not None:
+                shutil.rmtree(self.etcd_dir, ignore_errors=True)
+            if self._own_state_dir:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _stop_components(self, names: list[str]) -> None:
+        pids = {n: self.pids[n] for n in names if n in self.pids}
+        procs.stop_processes(pids, {n: p for n, p in self._procs.items() if n in pids}, self.exes)
+        for name in pids:
+            self.pids.pop(name, None)
+            self._procs.pop(name, None)
+
+    def _release_slot(self) -> None:
+        if self._slot_fd is not None:
+            os.close(self._slot_fd)
+            self._slot_fd = None
 
     # ---- helpers ---------------------------------------------------------------
     def kubectl(
@@ -280,7 +298,7 @@ class DevCluster:
         cmd = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args]
         out = subprocess.run(cmd, capture_output=True, text=True, input=input, timeout=timeout)
         if check and out.returncode != 0:
-            raise subprocess.CalledProcessError(out.returncode, cmd, out.stdout, out.stderr)
+            raise KubectlError(out.returncode, cmd, out.stdout, out.stderr)
         return out
 
     def api_client(self):
@@ -292,6 +310,15 @@ class DevCluster:
     def env(self) -> dict[str, str]:
         return {"KUBECONFIG": str(self.kubeconfig), "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
+    def enable_dev_env(self, namespace: str, models_dir: Path | None = None) -> None:
+        """Let Tidepool's pods in `namespace` run this checkout on the real node (DEV ONLY): bind the
+        dev env's claims (and `tidepool-dev-models` -> models_dir) and label the namespace."""
+        if self.dev_env is None:
+            raise RuntimeError("this cluster was started without a dev env (DevCluster(dev_env=...))")
+        docs = addons.dev_env_volumes(self.dev_env, namespace, models_dir)
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        self.kubectl("label", "namespace", namespace, "=".join(addons.DEV_ENV_LABEL), "--overwrite")
+
     def state(self) -> dict:
         return {
             "kubeconfig": str(self.kubeconfig),
@@ -300,34 +327,42 @@ class DevCluster:
             "etcd_dir": str(self.etcd_dir),
             "pids": self.pids,
             "ports": self.ports,
-            "binaries": {n: os.path.realpath(self.bin_dir / n) for n in self.pids},
+            "binaries": {n: self.exes[n] for n in self.pids},
+            "node": self.node,
+            "dev_image": self.dev_image,
+            "dev_env": self.dev_env.mounts if self.dev_env else None,
         }
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], exe: str | None = None, wrapper: list[str] | None = None) -> None:
+        exe = exe or str(self.bin_dir / name)
+        env = {**os.environ, "PATH": f"{os.environ.get('PATH', '')}:{node.NODE_PATH}"}
         log = open(self.state_dir / f"{name}.log", "wb")  # noqa: SIM115 (child owns it)
         try:
             proc = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
+                [*(wrapper or []), exe, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 close_fds=True,
+                env=env,
                 preexec_fn=None if self.detached else procs.die_with_parent,
             )
         finally:
             log.close()
         self._procs[name] = proc
         self.pids[name] = proc.pid
+        self.exes[name] = os.path.realpath(exe)
 
-    def _wait(self, name: str, ready) -> None:
+    def _wait(self, name: str, ready, timeout_s: float | None = None) -> None:
         """Poll ready() until true; fail with the log tail of a dead or stuck component."""
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = max(self.timeout_s, timeout_s or 0)
+        deadline = time.monotonic() + timeout_s
         while True:
-            for comp, proc in self._procs.items():
+            for component, proc in self._procs.items():
                 if proc.poll() is not None:
-                    log = self.state_dir / f"{comp}.log"
-                    raise ClusterStartError(f"{comp} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
+                    log = self.state_dir / f"{component}.log"
+                    raise ClusterStartError(f"{component} exited with {proc.returncode}; tail of {log}:\n{_tail(log)}")
             try:
                 if ready():
                     self.timings[name] = round(time.monotonic() - self._t0, 2)
@@ -337,20 +372,17 @@ class DevCluster:
             if time.monotonic() > deadline:
                 log = self.state_dir / f"{name}.log"
                 raise ClusterStartError(
-                    f"timed out after {self.timeout_s}s waiting for {name}; tail of {log}:\n{_tail(log)}"
+                    f"timed out after {timeout_s}s waiting for {name}; tail of {log}:\n{_tail(log)}"
                 )
             time.sleep(0.1)
 
     def _nodes_ready(self) -> bool:
         status, body = self._get("/api/v1/nodes?labelSelector=type%3Dkwok")
-        if status != 200:
-            return False
-        ready = [
-            n
-            for n in body["items"]
-            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
-        ]
-        return len(ready) >= self.num_nodes
+        return status == 200 and sum(_is_ready(n) for n in body["items"]) >= self.num_nodes
+
+    def _real_node_ready(self) -> bool:
+        status, body = self._get(f"/api/v1/nodes/{node.NODE_NAME}")
+        return status == 200 and _is_ready(body)
 
     def _get(self, path: str) -> tuple[int, dict]:
         return self._request("GET", path)
@@ -374,84 +406,11 @@ class DevCluster:
             return resp.status, {"raw": raw.decode(errors="replace")}
 
 
-# ---- CLI ------------------------------------------------------------------------
-def _cmd_up(args: argparse.Namespace) -> int:
-    state_file = args.state_dir / STATE_FILE
-    if state_file.exists():
-        print(f"a cluster is already recorded in {state_file}; run `down` first", file=sys.stderr)
-        return 1
-    t0 = time.monotonic()
-    cluster = DevCluster(num_nodes=args.nodes, state_dir=args.state_dir, detached=True)
-    cluster.start()
-    state_file.write_text(json.dumps(cluster.state(), indent=2))
-    print(
-        f"cluster up in {time.monotonic() - t0:.1f}s: {cluster.server}, "
-        f"{args.nodes} GPU node(s); logs in {args.state_dir}",
-        file=sys.stderr,
-    )
-    print(f"ready after (s): {cluster.timings}", file=sys.stderr)
-    _print_env(cluster.state())
-    return 0
-
-
-def _cmd_down(args: argparse.Namespace) -> int:
-    state_file = args.state_dir / STATE_FILE
-    if not state_file.exists():
-        print(f"no cluster recorded in {state_file}", file=sys.stderr)
-        return 0
-    state = json.loads(state_file.read_text())
-    procs.stop_processes(state["pids"], binaries=state["binaries"])
-    if state.get("etcd_dir", "None") != "None":
-        shutil.rmtree(state["etcd_dir"], ignore_errors=True)
-    state_file.unlink()
-    print("cluster down", file=sys.stderr)
-    return 0
-
-
-def _print_env(state: dict) -> None:
-    print(f"export KUBECONFIG={state['kubeconfig']}")
-    print(f"export PATH={state['bin_dir']}:$PATH")
-
-
-def _cmd_env(args: argparse.Namespace) -> int:
-    state_file = args.state_dir / STATE_FILE
-    if not state_file.exists():
-        print(f"no cluster recorded in {state_file}; run `up` first", file=sys.stderr)
-        return 1
-    _print_env(json.loads(state_file.read_text()))
-    return 0
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    state_file = args.state_dir / STATE_FILE
-    if not state_file.exists():
-        print("down")
-        return 1
-    state = json.loads(state_file.read_text())
-    alive = {n: procs.pid_alive(p) and procs.is_binary(p, state["binaries"][n]) for n, p in state["pids"].items()}
-    for name, ok in alive.items():
-        print(f"{name:24} pid {state['pids'][name]:>7}  {'running' if ok else 'DEAD'}")
-    return 0 if all(alive.values()) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("verb", choices=("up", "down", "env", "status"))
-    parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes (default 2)")
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        default=default_cache() / "dev-cluster",
-        help="pids, kubeconfig, certs and logs (default %(default)s)",
-    )
-    args = parser.parse_args(argv)
-    args.state_dir = args.state_dir.resolve()
-    try:
-        return {"up": _cmd_up, "down": _cmd_down, "env": _cmd_env, "status": _cmd_status}[args.verb](args)
-    except (BinariesMissingError, ClusterStartError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+def _is_ready(node_obj: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in node_obj.get("status", {}).get("conditions", []))
 
 
 if __name__ == "__main__":
+    from devcluster_cli import main
+
     sys.exit(main())

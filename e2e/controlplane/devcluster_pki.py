@@ -1,9 +1,11 @@
-"""Fresh certificates and an admin kubeconfig for one throw-away local control plane.
+"""Fresh certificates and kubeconfigs for one throw-away local control plane.
 
 Everything is ECDSA P-256: generating a key takes microseconds (RSA 2048 takes ~50 ms
 each), and kube-apiserver accepts EC keys for serving, client certs and service-account
 token signing (ES256). Files are written with mode 0600 into the given directory; nothing
-here is meant to outlive the cluster it was made for.
+here is meant to outlive the cluster it was made for. `sign()` issues further leaf certificates
+from the same CA (the real node's kubelet and kube-proxy, the apiserver's kubelet client, the
+LeaderWorkerSet webhook server).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import yaml
 from cryptography import x509
@@ -116,8 +119,11 @@ def _leaf(
     return builder.sign(ca_key, hashes.SHA256()), key
 
 
-def make_pki(directory: Path) -> Pki:
-    """Create a CA, the apiserver serving cert, an admin client cert and SA keys."""
+def make_pki(
+    directory: Path, api_ips: tuple[str, ...] = ("127.0.0.1",), service_ip: str = KUBERNETES_SERVICE_IP
+) -> Pki:
+    """Create a CA, the apiserver serving cert (for `api_ips` and the `kubernetes` Service's
+    `service_ip`), an admin client cert and SA keys."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = _key()
     ca_name = _name("tidepool-dev-ca")
@@ -137,7 +143,7 @@ def make_pki(directory: Path) -> Pki:
         "kubernetes.default.svc",
         "kubernetes.default.svc.cluster.local",
     ]
-    ips = ["127.0.0.1", KUBERNETES_SERVICE_IP]
+    ips = list(dict.fromkeys(["127.0.0.1", *api_ips, service_ip]))
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
     server_cert, server_key = _leaf(ca_cert, ca_key, _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH, sans)
@@ -172,8 +178,37 @@ def make_pki(directory: Path) -> Pki:
     return pki
 
 
-def write_kubeconfig(path: Path, server: str, pki: Pki, name: str = "tidepool-dev") -> None:
-    """An admin kubeconfig with every credential embedded (no file references)."""
+def sign(
+    pki: Pki,
+    stem: str,
+    common_name: str,
+    organization: str | None = None,
+    *,
+    server: bool = False,
+    dns: tuple[str, ...] = (),
+    ips: tuple[str, ...] = (),
+) -> tuple[Path, Path]:
+    """A leaf cert from the cluster CA, written as `<stem>.crt`/`<stem>.key` beside it: a client cert
+    (CN = user, O = group), or with `server=True` a serving cert for `dns` and `ips`."""
+    ca_cert = x509.load_pem_x509_certificate(pki.ca_crt.read_bytes())
+    # make_pki wrote it: always an EC key
+    ca_key = cast(ec.EllipticCurvePrivateKey, serialization.load_pem_private_key(pki.ca_key.read_bytes(), None))
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+    usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+    cert, key = _leaf(ca_cert, ca_key, _name(common_name, organization), usage, sans or None)
+    crt_path, key_path = pki.ca_crt.with_name(f"{stem}.crt"), pki.ca_crt.with_name(f"{stem}.key")
+    _write_cert(crt_path, cert)
+    _write_key(key_path, key)
+    return crt_path, key_path
+
+
+def write_kubeconfig(
+    path: Path, server: str, pki: Pki, name: str = "tidepool-dev", client: tuple[Path, Path] | None = None
+) -> None:
+    """A kubeconfig with every credential embedded (no file references): the admin's, or `client`'s
+    (cert, key) pair from `sign()`."""
+    client_crt, client_key = client or (pki.admin_crt, pki.admin_key)
 
     def b64(p: Path) -> str:
         return base64.b64encode(p.read_bytes()).decode()
@@ -191,8 +226,8 @@ def write_kubeconfig(path: Path, server: str, pki: Pki, name: str = "tidepool-de
             {
                 "name": f"{name}-admin",
                 "user": {
-                    "client-certificate-data": b64(pki.admin_crt),
-                    "client-key-data": b64(pki.admin_key),
+                    "client-certificate-data": b64(client_crt),
+                    "client-key-data": b64(client_key),
                 },
             }
         ],

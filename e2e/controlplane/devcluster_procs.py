@@ -19,14 +19,27 @@ from pathlib import Path
 
 ETCD_DIR_PREFIX = "tidepool-etcd-"
 OWNER_FILE = "etcd.pid"  # in each etcd dir: the pid of the etcd that uses it
-# Stop order: consumers of the API first, etcd last.
-COMPONENTS = ("kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
+# Stop order: the real node first (devcluster_node.teardown stops it in its own order), then the
+# other consumers of the API, etcd last.
+COMPONENTS = (
+    "kube-proxy", "kubelet", "containerd", "node-holder", "coredns", "lws-controller",
+    "kwok", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd",
+)  # fmt: skip
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def accepts(port: int, host: str = "127.0.0.1") -> bool:
+    """True if something accepts TCP connections on host:port."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def listening_ports() -> set[int]:

@@ -35,7 +35,9 @@ def test_second_cluster_stops_without_leftovers(control_plane, tmp_path):
     cluster = devcluster.DevCluster(num_nodes=1, state_dir=tmp_path / "second", bin_dir=control_plane.bin_dir)
     with cluster:
         pids, ports, etcd_dir = dict(cluster.pids), dict(cluster.ports), str(cluster.etcd_dir)
-        assert set(pids) == {"etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"}
+        assert set(pids) == {
+            "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "lws-controller"
+        }  # fmt: skip
         assert all(PROCS.pid_alive(p) for p in pids.values())
         assert set(ports.values()) <= PROCS.listening_ports()
         assert cluster.server != control_plane.server
@@ -46,7 +48,7 @@ def test_second_cluster_stops_without_leftovers(control_plane, tmp_path):
 
 def test_cli_up_env_down_leaves_nothing(control_plane, tmp_path):
     state_dir = tmp_path / "cli"
-    env = {**os.environ, "TIDEPOOL_K8S_BIN_DIR": str(control_plane.bin_dir)}
+    env = {**os.environ, "TIDEPOOL_K8S_BIN_DIR": str(control_plane.bin_dir), "TIDEPOOL_PYTHON": sys.executable}
     cli = [str(REPO / "e2e" / "dev-cluster")]
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -54,7 +56,7 @@ def test_cli_up_env_down_leaves_nothing(control_plane, tmp_path):
             [*cli, *args, "--state-dir", str(state_dir)], env=env, capture_output=True, text=True, timeout=120
         )
 
-    up = run("up", "--nodes", "1")
+    up = run("up", "--nodes", "1", "--no-real-node")  # the real node's CLI run is in tests/realpods
     assert up.returncode == 0, up.stderr
     state = json.loads((state_dir / "state.json").read_text())
     try:

@@ -1,7 +1,8 @@
 """The Helm chart offline: `helm lint`, `helm template`, least-privilege RBAC, restricted pod, values schema.
 
-Needs only the helm binary that e2e/controlplane/build.sh builds (no cluster). Like the
-control-plane fixture, a missing binary fails the test with the build command.
+Needs only the helm binary that e2e/controlplane/build.sh builds (no cluster): marked `k8sbin`, so
+scripts/test.sh runs it after that build, never in the first tier. Like the control-plane fixture,
+a missing binary fails the test with the build command.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import pytest
 import yaml
 
 from controlplane_fixture import load_devcluster
+
+pytestmark = pytest.mark.k8sbin
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tidepool"
