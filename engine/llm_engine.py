@@ -37,7 +37,7 @@ from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
 from .spec_decode.speculator import Speculator
-from .stats import EngineStats, RequestMetrics
+from .stats import EngineStats
 from .threads import configure_threads
 from .tokenizer import Tokenizer
 

@@ -113,7 +113,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("seed", "int", 0, "sampling seed of requests that set none", engine_field="seed"),
     ServeFlag("quantization", "str", None,
               "check a quantized checkpoint's method, quantize a dense model to int8/int4 at load, or gguf: "
-              "keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATION_METHODS, managed=True, engine_field="quantization"),
+              "keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATION_METHODS,
+              managed=True, engine_field="quantization"),
     ServeFlag("speculative-config", "json", None,
               'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
               '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',

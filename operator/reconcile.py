@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tidepool.operator.api import API_VERSION, KIND, POOL_NAMES, InferenceService, InferenceServiceStatus, validate_spec
+from tidepool.operator.api.quantity import same_quantity
 from tidepool.operator.builders import (
     KIND_ORDER,
     LABEL_POOL,
@@ -41,7 +42,6 @@ from tidepool.operator.builders import (
 )
 from tidepool.operator.cache import PodInfo
 from tidepool.operator.k8s import ApiError, KubeClient
-from tidepool.operator.api.quantity import same_quantity
 from tidepool.operator.status import PoolLayout, PoolObservation, observe_pool, pods_per_replica, template_hash
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")

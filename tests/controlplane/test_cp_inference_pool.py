@@ -20,7 +20,12 @@ def pool(name: str, **spec: object) -> dict:
         "endpointPickerRef": {"name": "chat-epp", "port": {"number": 9002}},
         **spec,
     }
-    return {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool", "metadata": {"name": name}, "spec": body}
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name},
+        "spec": body,
+    }
 
 
 def test_inference_pool_crds_install_and_validate(control_plane, cp_namespace):

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from tidepool.operator.api.quantity import quantity_value, same_quantity
 from tidepool.operator.cache import CHILD_SELECTOR, Informer, Store, compact
 from tidepool.operator.k8s import ApiError
-from tidepool.operator.api.quantity import quantity_value, same_quantity
 from tidepool.operator.ratelimit import TokenBucket
 from tidepool.operator.workqueue import WorkQueue
 
