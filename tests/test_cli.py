@@ -56,6 +56,13 @@ def test_offline_benchmark_smoke(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads((tmp_path / "offline_throughput_llama_tiny.json").read_text())
-    assert data["tidepool"]["output_tokens"] == data["transformers"]["output_tokens"] > 0
-    assert data["tidepool"]["bs1_mbu"] > 0 and data["transformers"]["bs1_mbu"] > 0
+    workloads = data["workloads"]
+    for name in ("variable", "uniform"):
+        run = workloads[name]
+        assert run["tidepool"]["output_tokens"] == run["transformers"]["output_tokens"] > 0, name
+        assert run["ratio"] > 0, name
+    assert 0 < workloads["uniform"]["attention_share_b64"] < 1
+    bs1 = workloads["bs1"]
+    assert bs1["read_bandwidth_GBps"] > 0 and bs1["tidepool"]["mbu"] > 0 and bs1["transformers"]["mbu"] > 0
+    assert workloads["neighbour"]["best_step_s"]["quiet"] > 0 and data["machine"]["threads"] >= 1
     assert (tmp_path / "offline_throughput_llama_tiny.png").stat().st_size > 1000

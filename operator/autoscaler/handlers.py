@@ -40,7 +40,7 @@ from tidepool.operator.api import KIND
 from tidepool.operator.cache import PodInfo
 
 from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource
-from .config import config_from_spec, is_enabled, pool_names
+from .config import config_from_spec, declared_replicas, is_enabled, pool_names
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
 
@@ -194,8 +194,9 @@ class Autoscaler:
 
     def _current(self, key: Key, body: Mapping[str, Any], pools: Sequence[str]) -> dict[str, PoolState]:
         """Replicas in force per pool and stuck pods. Replicas: our own last decision when it acts (the
-        reconcile applies it), else what the reconcile last drove towards, else the spec."""
-        spec = body.get("spec") or {}
+        reconcile applies it), else what the reconcile last drove towards, else the spec's declared replicas
+        (the view's: spec.replicas wins for the scaled pool)."""
+        declared = declared_replicas(body.get("spec") or {})
         recorded = (body.get("status") or {}).get("pools") or {}
         decided = applied_replicas(body)[0] or {}
         pods = self.pods_of(*key)
@@ -203,7 +204,7 @@ class Autoscaler:
         for pool in pools:
             replicas = decided.get(pool, (recorded.get(pool) or {}).get("desiredReplicas"))
             if replicas is None:
-                replicas = ((spec.get("pools") or {}).get(pool) or {}).get("replicas", 1)
+                replicas = declared[pool]
             stuck = [
                 msg for p in pods if p.pool == pool and not p.is_ready for r, msg in p.problems if r == "Unschedulable"
             ]

@@ -15,6 +15,7 @@ from tidepool.operator.api import (
     InferenceServiceStatus,
     status_patch,
 )
+from torch_free import TORCH_FREE_ENGINE_MODULES
 
 MINIMAL = {"model": {"uri": "hf://org/name"}}
 
@@ -201,7 +202,7 @@ def test_status_autoscaling_shape() -> None:
 
 def test_api_package_imports_without_torch() -> None:
     """The operator image has no torch: of the engine, the API reads only its torch-free flag table."""
-    allowed = ("tidepool.engine", "tidepool.engine.serve_flags")
+    allowed = TORCH_FREE_ENGINE_MODULES
     code = (
         "import sys; import tidepool.operator.api, tidepool.operator.crdgen, tidepool.operator.builders; "
         "import tidepool.operator.autoscaler.config; "

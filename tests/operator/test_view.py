@@ -3,7 +3,6 @@ builders render and in the autoscaler's config; spec.replicas means the same to 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -115,12 +114,9 @@ def test_spec_replicas_means_the_same_to_every_reader(spec: dict[str, Any], expe
     assert {pool: by_name(children, "Deployment", f"svc-{pool}")["spec"]["replicas"] for pool in expected} == expected
     assert declared_replicas(spec) == expected
 
-    class NoPods:
-        async def list(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
-            return []
-
     body = {"metadata": {"namespace": "ns", "name": "svc"}, "spec": spec, "status": {}}
-    states = asyncio.run(handlers.current_pools(NoPods(), "ns", "svc", body, None))
+    autoscaler = handlers.Autoscaler(None, lambda namespace, name: [], None, None, interval_s=15, window_s=60)
+    states = autoscaler._current(("ns", "svc"), body, list(expected))
     assert {pool: state.replicas for pool, state in states.items()} == expected  # the autoscaler's starting point
 
 

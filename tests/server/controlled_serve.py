@@ -5,6 +5,10 @@ command line). Two files in CONTROL_DIR steer every engine step:
 - `pause` exists: the step does nothing (and returns no output), while the engine thread keeps
   taking adds and aborts from its queue. Requests stay in flight, unfinished, for exactly as
   long as the test wants, on a fast or a slow machine.
+- `hold` exists: the engine steps only while a request is waiting or has no output token yet; then
+  it holds (steps do nothing) with every request running, its KV cache allocated, until the file
+  goes; while holding it writes the number of running requests to `holding`. What a scrape sees
+  "while loaded" is then certain, not a matter of sampling at the right millisecond.
 - `crash` exists: the step raises outside the engine's per-request isolation, as a fault in the
   engine itself would; the engine thread dies.
 - `poison` holds a seed: the sampler raises on every request with that seed, as a per-request
@@ -35,12 +39,22 @@ def _controlled(control: Path) -> Callable[[LLMEngine], list[RequestOutput]]:
     def step(self: LLMEngine) -> list[RequestOutput]:
         if (control / "crash").exists():
             raise RuntimeError("engine fault injected by the test (controlled_serve crash file)")
+        if (control / "hold").exists() and _all_started(self):
+            (control / "holding").write_text(str(len(self.scheduler.running)))
+            time.sleep(_PAUSE_POLL_S)
+            return []
         if (control / "pause").exists():
             time.sleep(_PAUSE_POLL_S)
             return []
         return real_step(self)
 
     return step
+
+
+def _all_started(engine: LLMEngine) -> bool:
+    """Nothing waiting, and every running request has produced at least one token."""
+    scheduler = engine.scheduler
+    return not scheduler.waiting and all(r.num_output_tokens >= 1 for r in scheduler.running)
 
 
 def _poisoned(control: Path) -> Callable[..., None]:

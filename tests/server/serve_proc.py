@@ -34,9 +34,23 @@ class Server:
 
     def pause(self, paused: bool = True) -> None:
         """Stop (or resume) all engine progress; needs a server started with `control_dir`."""
-        assert self.control_dir is not None, "start the server with control_dir to pause it"
-        flag = self.control_dir / "pause"
-        if paused:
+        self._control("pause", paused)
+
+    def hold(self, held: bool = True) -> None:
+        """Let the engine run until every request has started generating, then hold it there (or release
+        it); needs a server started with `control_dir`."""
+        self._control("hold", held)
+
+    def num_held(self) -> int:
+        """Requests the held engine holds mid-generation (0 when not holding)."""
+        assert self.control_dir is not None
+        text = (self.control_dir / "holding").read_text() if (self.control_dir / "holding").exists() else ""
+        return int(text) if text.strip() else 0
+
+    def _control(self, name: str, on: bool) -> None:
+        assert self.control_dir is not None, f"start the server with control_dir to {name} it"
+        flag = self.control_dir / name
+        if on:
             flag.touch()
         else:
             flag.unlink(missing_ok=True)
