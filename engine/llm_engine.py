@@ -4,6 +4,10 @@
 computes it, the scheduler advances the requests, and this class turns new tokens into text
 (incremental detokenization, stop strings) and `RequestOutput`s. It is synchronous and has
 no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a loop.
+`engine_builder.build_engine` constructs the parts. Optional features (speculative decoding,
+the P/D KV hand-off) are `StepHook`s in `self.hooks`, called at the points step_hooks.py
+documents; they contribute proposals and admitted requests as return values and never build
+outputs: every `RequestOutput` is built here, the final one by `_finish_output` alone.
 Invariants: a request that fails validation raises `ValueError` before anything is queued,
 so it never affects the requests already running. A request whose own processing raises
 inside a step (the sampler on its parameters, its detokenization) is finished alone with
@@ -16,99 +20,48 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
-import torch
-
-from .config import ModelConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed.executor import MultiprocExecutor
-from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
+from .engine_builder import build_engine
+from .engine_config import EngineConfig
 from .isolation import StepIsolation
-from .kv_cache import KVCacheManager
-from .kv_transfer import KVConnector, KVGeometry, KVPayload, ProducerParams
-from .kv_transfer.handoff import KVHandoff
-from .model_runner import ModelRunner, kv_bytes_per_block
-from .models.loader import load_model
+from .kv_transfer import KVConnector, KVPayload, ProducerParams
 from .outputs import RequestOutput, TrackedRequest
 from .request import Request, RequestStatus, check_prompt_token_ids
-from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .sched_output import ModelRunnerOutput, SchedulerOutput
-from .scheduler import Scheduler
 from .spec_decode.emit import feed_tokens
-from .spec_decode.speculator import Speculator
 from .stats import EngineStats
-from .threads import configure_threads
-from .tokenizer import Tokenizer
+from .step_hooks import StepHook
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
-        if config.quantization is not None:
-            from .quant.prepare import prepare_quantized
-
-            quantized = prepare_quantized(config.model, config.quantization)
-            config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
-        self.config = config
-        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
-        model_config = ModelConfig.from_pretrained(config.model)
-        self.resolved: ResolvedConfig = resolve(config, model_config)
-        rc = self.resolved
-        self.threads = configure_threads(config.num_threads, is_cpu=rc.device.type == "cpu")
-        self.executor: MultiprocExecutor | None = None
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            self.executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here
-            self.model, self.model_config = self.executor.model, self.executor.model_config
-            runner_config, sizing_config = self.executor.runner_config, self.executor.sizing_config
-        else:
-            self.model, self.model_config = load_model(
-                config.model,
-                dtype=rc.dtype,
-                device=rc.device,
-                max_positions=rc.max_model_len,
-                show_progress=config.show_progress,
-                quantization=config.quantization,
-            )
-            runner_config = sizing_config = self.model_config
-        self.max_model_len = rc.max_model_len
-        num_blocks = rc.num_kv_blocks or self._size_kv_cache(sizing_config)
-        if self.executor is not None:
-            self.executor.init_kv_cache(num_blocks)
-        self.num_kv_blocks = num_blocks
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=rc.max_num_batched_tokens,
-            max_model_len=rc.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-        )
-        self.sampler = Sampler(config.seed, rc.device)
-        self.runner = ModelRunner(self.model, runner_config, config.block_size, num_blocks, self.sampler, rc.device)
-        if self.executor is not None:
-            self.executor.model.bind_kv_caches(self.runner.kv_caches)
-        self.speculator: Speculator | None = None
-        if config.speculative is not None:
-            self.speculator = Speculator.build(
-                config.speculative, self.sampler, self.tokenizer, self.model_config, rc.dtype, rc.device,
-                rc.max_model_len, rc.max_num_batched_tokens, config.block_size, num_blocks, config.max_num_seqs,
-                config.show_progress,
-            )  # fmt: skip
+        parts = build_engine(config)
+        self.config, self.resolved, self.tokenizer = parts.config, parts.resolved, parts.tokenizer
+        self.model, self.model_config, self.threads, self.executor = (
+            parts.model, parts.model_config, parts.threads, parts.executor
+        )  # fmt: skip
+        self.max_model_len = parts.resolved.max_model_len
+        self.num_kv_blocks, self.kv_cache, self.scheduler = parts.num_kv_blocks, parts.kv_cache, parts.scheduler
+        self.sampler, self.runner = parts.sampler, parts.runner
+        # Optional features, as step hooks; the two typed references are for their request inputs and tests.
+        self.hooks: list[StepHook] = parts.hooks
+        self.speculator, self.handoff = parts.speculator, parts.handoff
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
         self.isolation = StepIsolation()
-        # P/D disaggregation (kv_transfer): requests whose KV goes to a decode engine once prefilled,
-        # received requests waiting for KV room, and first-token outputs of admitted ones.
-        self.handoff = self._make_handoff()
-        self._import_outputs: list[RequestOutput] = []
+        self._ready: list[RequestOutput] = []  # built between steps (first tokens of admitted requests)
         self.last_stats = self._stats_with()
+        rc = self.resolved
         logger.info(
             "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
             "budget=%d tokens/step, device=%s",
-            num_blocks, config.block_size, rc.max_model_len, config.max_num_seqs, rc.max_num_batched_tokens, rc.device,
+            self.num_kv_blocks, config.block_size, rc.max_model_len, config.max_num_seqs, rc.max_num_batched_tokens,
+            rc.device,
         )  # fmt: skip
 
     # ---- requests ---------------------------------------------------------------------------
@@ -152,14 +105,10 @@ class LLMEngine:
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
-        if isinstance(kv_transfer, KVPayload):
-            request.output_token_ids.append(kv_transfer.first_token_id)
+        if kv_transfer is not None and self.handoff.add(request, kv_transfer):  # waits for KV room, not scheduled
             self._tracked[request_id] = tracked
-            self.handoff.imports[request_id] = (request, kv_transfer)
-            self.handoff.admit(self._on_admitted)
+            self._admit(self.handoff.admit())
             return request
-        if kv_transfer is not None:
-            self.handoff.producers[request_id] = kv_transfer
         self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
         return request
@@ -179,22 +128,26 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str] | str) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        for request_id in ids if self.handoff else ():
-            waiting = self.handoff.abort(request_id)
-            if waiting is not None:  # never admitted: no blocks to free
-                waiting.status = RequestStatus.FINISHED_ABORTED
-                finished.append(waiting)
+        for request_id in ids:
+            for hook in self.hooks:
+                held = hook.on_abort(request_id)
+                if held is not None:  # held by the hook, never scheduled: no blocks to free
+                    held.status = RequestStatus.FINISHED_ABORTED
+                    finished.append(held)
         return [self._finish_output(request) for request in finished]
 
     def has_unfinished_requests(self) -> bool:
-        pending = self.handoff is not None and self.handoff.has_pending
-        return self.scheduler.has_unfinished_requests() or pending or bool(self._import_outputs)
+        pending = any(hook.has_pending() for hook in self.hooks)
+        return self.scheduler.has_unfinished_requests() or pending or bool(self._ready)
 
     def get_stats(self) -> EngineStats:
         return self._stats_with()
 
     def _stats_with(self, **step: float) -> EngineStats:
         kv = self.kv_cache
+        owned: dict[str, int] = {}
+        for hook in self.hooks:
+            owned.update(hook.stats())
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -205,8 +158,7 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions_total=self.scheduler.num_preemptions_total,
-            spec_num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
-            spec_num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
+            **owned,
             **step,
         )
 
@@ -214,10 +166,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled forward pass; returns an output for every request that produced a token."""
         start = time.monotonic()
-        if self.handoff is not None:
-            self.handoff.admit(self._on_admitted)
-        ready, self._import_outputs = self._import_outputs, []
-        proposals = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        proposals: dict[str, list[int]] = {}
+        for hook in self.hooks:
+            plan = hook.before_schedule(self.scheduler)
+            if plan is not None:
+                self._admit(plan.admitted)
+                proposals.update(plan.spec_token_ids)
+        ready, self._ready = self._ready, []
         sched_out = self.scheduler.schedule(proposals)
         if sched_out.is_empty:
             return ready
@@ -230,8 +185,8 @@ class LLMEngine:
             for seq in sched_out.scheduled
         )
         runner_out, errors = self.isolation.execute(self._run, sched_out)
-        if self.handoff is not None:
-            self.handoff.send_prefilled(sched_out, runner_out)
+        for hook in self.hooks:
+            hook.before_update(sched_out, runner_out)
         failed = self._fail_requests(errors)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched_out, runner_out)}
         now = time.monotonic()
@@ -295,8 +250,8 @@ class LLMEngine:
     # ---- per-request failure isolation ---------------------------------------------------------
     def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         runner_out = self.runner.execute(sched_out)
-        if self.speculator is not None:
-            self.speculator.verify(sched_out, runner_out)
+        for hook in self.hooks:
+            hook.after_run(sched_out, runner_out)
         return runner_out
 
     def _fail_requests(self, errors: dict[str, Exception]) -> list[RequestOutput]:
@@ -314,32 +269,20 @@ class LLMEngine:
                 # Its KV may be half-written: drop its own blocks from the prefix cache before freeing them.
                 self.kv_cache.discard(request)
                 self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
-                if self.handoff is not None:
-                    self.handoff.abort(request_id)
                 request.status = RequestStatus.FINISHED_ABORTED
             outputs.append(self._finish_output(request))
         return outputs
 
-    # ---- P/D disaggregation -------------------------------------------------------------------
+    # ---- requests admitted by a hook (P/D disaggregation) -------------------------------------------
     @property
     def kv_connector(self) -> KVConnector | None:
         """The KV connector of a prefill or decode engine (None when unified)."""
         return self.handoff.connector if self.handoff is not None else None
 
-    def _make_handoff(self) -> KVHandoff | None:
-        config = self.config
-        if config.kv_role == "unified":
-            return None
-        if self.executor is not None:
-            raise ValueError(
-                f"kv_role={config.kv_role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
-                "(each rank would ship its own KV shard); run prefill and decode engines without TP/PP"
-            )
-        mc = self.model_config
-        geometry = KVGeometry(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
-                              self.resolved.dtype)  # fmt: skip
-        return KVHandoff(config.kv_role, geometry, self.runner.kv_caches, self.scheduler, self.sampler,
-                         mc.vocab_size, config.kv_port, config.kv_transfer_timeout_s)  # fmt: skip
+    def _admit(self, admitted: Iterable[tuple[Request, int]]) -> None:
+        """Emit each admitted request's first token before the hook admits the next (lazy iterable)."""
+        for request, first_token in admitted:
+            self._on_admitted(request, first_token)
 
     def _on_admitted(self, request: Request, first_token: int) -> None:
         """A received request now runs: emit its first token (it may already finish the request)."""
@@ -348,23 +291,23 @@ class LLMEngine:
         try:
             match = tracked.detokenizer.update([first_token])
         except Exception as err:
-            self._import_outputs.extend(self._fail_requests({request.request_id: err}))
+            self._ready.extend(self._fail_requests({request.request_id: err}))
             return
         if request.is_finished:
             if request.stop_token_id is not None:
                 tracked.stop_reason = request.stop_token_id
-            self._import_outputs.append(self._finish_output(request))
+            self._ready.append(self._finish_output(request))
         elif match is not None:
             tracked.stop_reason = match.stop_str
             for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
-                self._import_outputs.append(self._finish_output(done))
+                self._ready.append(self._finish_output(done))
         else:
-            self._import_outputs.append(tracked.output())
+            self._ready.append(tracked.output())
 
     def close(self) -> None:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
-        if self.handoff is not None:
-            self.handoff.close()
+        for hook in self.hooks:
+            hook.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -379,25 +322,6 @@ class LLMEngine:
             logger.error("request %s: flushing its text failed", request.request_id, exc_info=err)
             tracked.error = tracked.error or f"{type(err).__name__}: {err}"
         self.sampler.release(request.request_id)
-        if self.speculator is not None:
-            self.speculator.release(request.request_id)
+        for hook in self.hooks:
+            hook.on_finish(request.request_id)
         return tracked.output(finished=True)
-
-    # ---- sizing -------------------------------------------------------------------------------
-    def _size_kv_cache(self, kv_config: ModelConfig) -> int:
-        """Blocks that fit the budget; `kv_config` describes one rank's cache (its layers, its kv heads)."""
-        rc, config = self.resolved, self.config
-        per_block = kv_bytes_per_block(kv_config, config.block_size, rc.dtype)
-        if rc.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(rc.device)
-            # Keep headroom for activations: one full step's logits and hidden states, doubled.
-            activations = (
-                2 * rc.max_num_batched_tokens * (self.model_config.vocab_size + 8 * self.model_config.hidden_size) * 4
-            )
-            budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
-        else:
-            budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-        useful = -(-config.max_num_seqs * rc.max_model_len // config.block_size)
-        num_blocks = min(budget // per_block, useful)
-        check_kv_capacity(num_blocks, config.block_size, rc.max_model_len)
-        return num_blocks

@@ -1,19 +1,22 @@
 """The engine's side of the P/D hand-off: which requests send KV, which wait to be admitted with it.
 
-`KVHandoff` is owned by `LLMEngine` when its `kv_role` is `prefill` or `decode` and runs on the
-engine thread only. Prefill: a producer request's prompt KV and first token are copied out in
+`KVHandoff` is the engine's step hook (step_hooks.py) when its `kv_role` is `prefill` or
+`decode`, and runs on the engine thread only; `LLMEngine.add_request` hands it the requests
+that take part (`add`). Prefill: a producer request's prompt KV and first token are copied out in
 the step that samples that token — before the scheduler retires the request and frees its
 blocks — and sent on a sender thread while the engine keeps stepping. Decode: a received
 request waits here until the scheduler has room (`Scheduler.add_prefilled_request`, which
 allocates blocks and lets us fill them before anything can read them), in arrival order.
+Hook points: `before_schedule` admits (lazily, one request at a time), `before_update` sends,
+`on_abort` returns a request still waiting, `on_finish` forgets, `close` closes the connector.
 Invariant: a request is in at most one of `producers` and `imports`, and leaves it when it is
-sent, admitted or aborted — so no block and no payload outlives its request.
+sent, admitted, aborted or finished — so no block and no payload outlives its request.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +24,7 @@ import torch
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..sched_output import ModelRunnerOutput, SchedulerOutput
+from ..step_hooks import BeforeSchedule, HookContext, StepHook, StepView
 from . import KVConnector, KVGeometry, KVPayload, KVRole, ProducerParams, gather_kv, scatter_kv
 
 if TYPE_CHECKING:
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
     from ..scheduler import Scheduler
 
 
-class KVHandoff:
+class KVHandoff(StepHook):
     def __init__(
         self,
         role: KVRole,
@@ -50,6 +54,12 @@ class KVHandoff:
         self.producers: dict[str, ProducerParams] = {}
         self.imports: dict[str, tuple[Request, KVPayload]] = {}
 
+    @classmethod
+    def build(cls, role: KVRole, port: int, timeout_s: float, ctx: HookContext) -> KVHandoff:
+        mc = ctx.model_config
+        geometry = KVGeometry(mc.num_hidden_layers, ctx.block_size, mc.num_key_value_heads, mc.head_dim, ctx.dtype)
+        return cls(role, geometry, ctx.kv_caches, ctx.scheduler, ctx.sampler, mc.vocab_size, port, timeout_s)
+
     def check(self, kv_transfer: ProducerParams | KVPayload, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming the problem when this request cannot take part in a hand-off here."""
         if isinstance(kv_transfer, ProducerParams):
@@ -69,7 +79,28 @@ class KVHandoff:
         if params.logprobs is not None:
             raise ValueError("logprobs are not supported for disaggregated requests yet")
 
-    @property
+    def add(self, request: Request, kv_transfer: ProducerParams | KVPayload) -> bool:
+        """Take part in a checked request; True when it waits here for admission (not in the scheduler)."""
+        if isinstance(kv_transfer, ProducerParams):
+            self.producers[request.request_id] = kv_transfer
+            return False
+        request.output_token_ids.append(kv_transfer.first_token_id)
+        self.imports[request.request_id] = (request, kv_transfer)
+        return True
+
+    # ---- the step hook ------------------------------------------------------------------------
+    def before_schedule(self, view: StepView) -> BeforeSchedule:
+        return BeforeSchedule(admitted=self.admit())
+
+    def before_update(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        self.send_prefilled(sched_out, runner_out)
+
+    def on_abort(self, request_id: str) -> Request | None:
+        return self.abort(request_id)
+
+    def on_finish(self, request_id: str) -> None:
+        self.abort(request_id)
+
     def has_pending(self) -> bool:
         return bool(self.imports)
 
@@ -95,9 +126,14 @@ class KVHandoff:
             payload = KVPayload(params.transfer_id, list(request.prompt_token_ids), token, self.block_size, kv)
             sender.send(params.decode_kv_addr, payload)
 
-    def admit(self, on_admitted: Callable[[Request, int], None]) -> None:
-        """Admit waiting received requests in arrival order while there is room; `on_admitted(request, first_token)`."""
+    def admit(self) -> Iterator[tuple[Request, int]]:
+        """Admit waiting received requests in arrival order while there is room, yielding (request, first token).
+
+        Lazy: the next request is admitted only once the caller has handled the last one (its first
+        token may finish it and free its blocks for the next)."""
         for request_id, (request, payload) in list(self.imports.items()):
+            if request_id not in self.imports:
+                continue  # aborted while an earlier one was handled
             fill = functools.partial(scatter_kv, self._kv_caches, kv=payload.kv)
             if not self._scheduler.add_prefilled_request(request, fill):
                 return  # no room yet: retried every step, in order
@@ -108,7 +144,7 @@ class KVHandoff:
                 # seeded request's later tokens are the ones unified serving would sample.
                 noise = torch.empty(self._vocab_size, device=self._sampler.device)
                 noise.exponential_(generator=self._sampler.generator_for(request))
-            on_admitted(request, payload.first_token_id)
+            yield request, payload.first_token_id
 
     def close(self) -> None:
         self.connector.close()

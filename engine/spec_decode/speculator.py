@@ -1,4 +1,4 @@
-"""The engine's speculative-decoding step: propose before scheduling, verify after the forward pass.
+"""Speculative decoding as an engine step hook (step_hooks.py): propose before scheduling, verify in the run.
 
 `propose` runs before `Scheduler.schedule`: for every running request that is decoding (its
 next token is the one to sample), the proposer suggests K_r tokens, K_r derived per request
@@ -14,21 +14,23 @@ nothing, the request gets no proposals for min(2^m - 1, MAX_BACKOFF_STEPS) steps
 keeps missing, e.g. n-gram lookup on free text, then costs almost nothing); one accepted token
 resets it. The decision uses only the past, so every emitted token keeps the target's distribution.
 Counters feed
-`vllm:spec_decode_num_draft_tokens` / `vllm:spec_decode_num_accepted_tokens`.
+`vllm:spec_decode_num_draft_tokens` / `vllm:spec_decode_num_accepted_tokens` through `stats()`.
+`verify` runs as the hook's `after_run`, inside the engine's isolated run: a request whose
+verification raises fails alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
-from ..config import ModelConfig
 from ..request import Request
 from ..sampler import Sampler
 from ..sched_output import ModelRunnerOutput, SchedulerOutput
-from ..tokenizer import Tokenizer
+from ..step_hooks import BeforeSchedule, HookContext, StepHook, StepView
 from .config import SpeculativeConfig, num_spec_tokens_for, speculation_pays
 from .draft import DraftProposer
 from .ngram import NgramProposer
@@ -39,7 +41,9 @@ logger = logging.getLogger(__name__)
 MAX_BACKOFF_STEPS = 15
 
 
-class Speculator:
+class Speculator(StepHook):
+    """Speculative decoding as a step hook: propose before scheduling, verify in the run, release on finish."""
+
     def __init__(
         self,
         config: SpeculativeConfig,
@@ -62,37 +66,23 @@ class Speculator:
         self.num_verified_seqs = 0  # verification rows (one per request per step with proposals)
 
     @classmethod
-    def build(
-        cls,
-        config: SpeculativeConfig,
-        sampler: Sampler,
-        tokenizer: Tokenizer,
-        model_config: ModelConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        max_model_len: int,
-        max_num_batched_tokens: int,
-        block_size: int,
-        num_kv_blocks: int,
-        max_num_seqs: int,
-        show_progress: bool = True,
-    ) -> Speculator:
+    def build(cls, config: SpeculativeConfig, ctx: HookContext) -> Speculator:
         draft = None
         if config.method == "draft" and config.draft_model is not None:
             # As many blocks as the target plus each request's K proposals: the draft is smaller, so
             # this costs less memory than the target's cache and never runs out before it does.
-            extra = max_num_seqs * -(-config.num_speculative_tokens // block_size)
+            extra = ctx.max_num_seqs * -(-config.num_speculative_tokens // ctx.block_size)
             draft = DraftProposer(
                 config.draft_model,
-                tokenizer,
-                model_config,
-                sampler,
-                dtype,
-                device,
-                max_model_len,
-                block_size,
-                num_kv_blocks + extra,
-                show_progress,
+                ctx.tokenizer,
+                ctx.model_config,
+                ctx.sampler,
+                ctx.dtype,
+                ctx.device,
+                ctx.max_model_len,
+                ctx.block_size,
+                ctx.num_kv_blocks + extra,
+                ctx.show_progress,
             )
         logger.info(
             "speculative decoding: method=%s, K=%d, off at >= %d running requests",
@@ -100,7 +90,20 @@ class Speculator:
             config.num_speculative_tokens,
             config.disable_by_batch_size,
         )
-        return cls(config, sampler, max_model_len, max_num_batched_tokens, draft)
+        return cls(config, ctx.sampler, ctx.max_model_len, ctx.max_num_batched_tokens, draft)
+
+    # ---- the step hook ------------------------------------------------------------------------
+    def before_schedule(self, view: StepView) -> BeforeSchedule:
+        return BeforeSchedule(spec_token_ids=self.propose(view.running))
+
+    def after_run(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        self.verify(sched_out, runner_out)
+
+    def on_finish(self, request_id: str) -> None:
+        self.release(request_id)
+
+    def stats(self) -> dict[str, int]:
+        return {"spec_num_draft_tokens": self.num_draft_tokens, "spec_num_accepted_tokens": self.num_accepted_tokens}
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,7 +116,7 @@ class Speculator:
         if self.draft is not None:
             self.draft.release(request_id)
 
-    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+    def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Proposals for this step's decoding requests (request id -> tokens); empty when speculation is off."""
         self._draft_probs.clear()
         k = self.config.num_speculative_tokens

@@ -1,0 +1,141 @@
+"""Construction of an engine's parts from its config: model, KV cache, scheduler, runner, step hooks.
+
+Role: `build_engine(config)` does everything `LLMEngine` needs done once — resolve the model
+(catalogue names, GGUF, quantization), load it (or start the tensor/pipeline-parallel workers),
+size the KV cache from memory, and build the scheduler, sampler, model runner and the optional
+features' step hooks from one `HookContext` — and returns it all as `EngineParts`. `LLMEngine`
+then only runs the loop.
+
+Invariants: the hooks are registered in the order their lifecycle points must run: the KV
+hand-off first (requests it admits are running when the speculator proposes), then the
+speculator. A config the parts cannot honour raises `ValueError` naming what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+from .distributed.executor import MultiprocExecutor
+from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
+from .kv_cache import KVCacheManager
+from .kv_transfer.handoff import KVHandoff
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .models.loader import load_model
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .spec_decode.speculator import Speculator
+from .step_hooks import HookContext, StepHook
+from .threads import ThreadDecision, configure_threads
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    config: EngineConfig  # as loaded: the model field names the folder or file actually read
+    resolved: ResolvedConfig
+    tokenizer: Tokenizer
+    model: torch.nn.Module
+    model_config: ModelConfig  # the whole model's
+    threads: ThreadDecision
+    executor: MultiprocExecutor | None  # tensor/pipeline-parallel workers, when more than one rank
+    num_kv_blocks: int
+    kv_cache: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    runner: ModelRunner
+    speculator: Speculator | None
+    handoff: KVHandoff | None
+    hooks: list[StepHook]  # in registration order
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
+    if config.quantization is not None:
+        from .quant.prepare import prepare_quantized
+
+        quantized = prepare_quantized(config.model, config.quantization)
+        config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+    rc = resolve(config, ModelConfig.from_pretrained(config.model))
+    threads = configure_threads(config.num_threads, is_cpu=rc.device.type == "cpu")
+    executor: MultiprocExecutor | None = None
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here
+        model, model_config = executor.model, executor.model_config
+        runner_config, sizing_config = executor.runner_config, executor.sizing_config
+    else:
+        model, model_config = load_model(
+            config.model,
+            dtype=rc.dtype,
+            device=rc.device,
+            max_positions=rc.max_model_len,
+            show_progress=config.show_progress,
+            quantization=config.quantization,
+        )
+        runner_config = sizing_config = model_config
+    num_blocks = rc.num_kv_blocks or size_kv_cache(config, rc, model_config, sizing_config)
+    if executor is not None:
+        executor.init_kv_cache(num_blocks)
+    kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    scheduler = Scheduler(
+        kv_cache,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=rc.max_num_batched_tokens,
+        max_model_len=rc.max_model_len,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+    )
+    sampler = Sampler(config.seed, rc.device)
+    runner = ModelRunner(model, runner_config, config.block_size, num_blocks, sampler, rc.device)
+    if executor is not None:
+        executor.model.bind_kv_caches(runner.kv_caches)
+    ctx = HookContext(
+        tokenizer=tokenizer,
+        model_config=model_config,
+        sampler=sampler,
+        scheduler=scheduler,
+        kv_caches=runner.kv_caches,
+        dtype=rc.dtype,
+        device=rc.device,
+        max_model_len=rc.max_model_len,
+        max_num_batched_tokens=rc.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        show_progress=config.show_progress,
+    )
+    speculator = Speculator.build(config.speculative, ctx) if config.speculative is not None else None
+    handoff = None
+    if config.kv_role != "unified":
+        if executor is not None:
+            raise ValueError(
+                f"kv_role={config.kv_role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
+                "(each rank would ship its own KV shard); run prefill and decode engines without TP/PP"
+            )
+        handoff = KVHandoff.build(config.kv_role, config.kv_port, config.kv_transfer_timeout_s, ctx)
+    hooks: list[StepHook] = [hook for hook in (handoff, speculator) if hook is not None]
+    return EngineParts(
+        config, rc, tokenizer, model, model_config, threads, executor, num_blocks, kv_cache, scheduler, sampler,
+        runner, speculator, handoff, hooks,
+    )  # fmt: skip
+
+
+def size_kv_cache(config: EngineConfig, rc: ResolvedConfig, model_config: ModelConfig, kv_config: ModelConfig) -> int:
+    """Blocks that fit the budget; `kv_config` describes one rank's cache (its layers, its kv heads)."""
+    per_block = kv_bytes_per_block(kv_config, config.block_size, rc.dtype)
+    if rc.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(rc.device)
+        # Keep headroom for activations: one full step's logits and hidden states, doubled.
+        activations = 2 * rc.max_num_batched_tokens * (model_config.vocab_size + 8 * model_config.hidden_size) * 4
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - activations
+    else:
+        budget = config.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+    useful = -(-config.max_num_seqs * rc.max_model_len // config.block_size)
+    num_blocks = min(budget // per_block, useful)
+    check_kv_capacity(num_blocks, config.block_size, rc.max_model_len)
+    return num_blocks
