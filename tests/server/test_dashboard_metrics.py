@@ -23,10 +23,58 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "tidepool" / "dashb
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
 # PromQL functions, aggregations and keywords that may appear as bare identifiers in an expression.
 PROMQL_WORDS = frozenset(
-    "sum min max avg count stddev stdvar topk bottomk quantile count_values group by without on ignoring "
-    "group_left group_right bool offset and or unless rate irate increase delta idelta deriv histogram_quantile "
-    "abs ceil floor round clamp clamp_min clamp_max label_replace label_join vector scalar time absent "
-    "avg_over_time max_over_time min_over_time sum_over_time count_over_time last_over_time label_values".split()
+    {
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "count",
+        "stddev",
+        "stdvar",
+        "topk",
+        "bottomk",
+        "quantile",
+        "count_values",
+        "group",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "bool",
+        "offset",
+        "and",
+        "or",
+        "unless",
+        "rate",
+        "irate",
+        "increase",
+        "delta",
+        "idelta",
+        "deriv",
+        "histogram_quantile",
+        "abs",
+        "ceil",
+        "floor",
+        "round",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "label_replace",
+        "label_join",
+        "vector",
+        "scalar",
+        "time",
+        "absent",
+        "avg_over_time",
+        "max_over_time",
+        "min_over_time",
+        "sum_over_time",
+        "count_over_time",
+        "last_over_time",
+        "label_values",
+    }
 )
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
