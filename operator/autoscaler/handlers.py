@@ -7,8 +7,9 @@ unschedulable pods (the pod cache), run `policy.decide`, then write `status.auto
 mode, lastScaleTime, lastDecision, per-pool desiredReplicas and inputs, `limited`, and the policy's
 stabilization state (recent recommendations, lastActiveTime). In active mode the reconcile that
 follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas()`); in advisory
-mode nothing but status, an Event and the metrics change. With autoscaling disabled the spec's
-replicas apply and HPA/KEDA may drive the scale subresource.
+mode nothing but status, an Event and the metrics change. With autoscaling disabled, or in external mode,
+the autoscaler never ticks (no scrape, no status, no replicas): the spec's replicas apply and HPA/KEDA
+drive the scale subresource (`spec.replicas`, the scaled pool's).
 
 Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
 operator resumes from it without scaling anything down: replicas come from status, and the
@@ -63,6 +64,12 @@ def _epoch(text: str | None) -> float | None:
     if not text:
         return None
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def is_autoscaled(body: Mapping[str, Any]) -> bool:
+    """Tidepool's autoscaler ticks for this object: enabled, in active or advisory mode (never external)."""
+    auto = (body.get("spec") or {}).get("autoscaling") or {}
+    return bool(auto.get("enabled")) and auto.get("mode", "active") != "external"
 
 
 def is_active(body: Mapping[str, Any]) -> bool:
@@ -215,6 +222,8 @@ class Autoscaler:
         namespace, name = key
         now = self.clock()
         self.next_tick[key] = now + self.interval_s
+        if not is_autoscaled(body):  # external mode (or off): HPA/KEDA own the replicas; never scrape
+            return body
         spec = dict(body.get("spec") or {})
         pools = pool_names(spec)
         previous = (body.get("status") or {}).get("autoscaling") or {}
