@@ -48,6 +48,9 @@ from .policy_types import Decision, History, PoolSnapshot, PoolState
 DECISIONS = Counter("tidepool_autoscaler_decisions", "Autoscaler decisions", ["namespace", "name", "mode", "action"])
 DESIRED = Gauge("tidepool_autoscaler_desired_replicas", "Replicas the autoscaler wants", ["namespace", "name", "pool"])
 CURRENT = Gauge("tidepool_autoscaler_current_replicas", "Replicas when deciding", ["namespace", "name", "pool"])
+READY = Gauge(
+    "tidepool_autoscaler_ready_replicas", "Ready replicas when deciding (status.pools)", ["namespace", "name", "pool"]
+)
 PERSIST_S = 60.0
 MAX_RECOMMENDATIONS = 64
 logger = logging.getLogger("tidepool.operator.autoscaler")
@@ -233,9 +236,11 @@ class Autoscaler:
         decision = decide(config_from_spec(spec), snapshots, self._current(key, body, pools), history, now)
         self.histories[key] = decision.history
         mode = "advisory" if decision.is_advisory else "active"
+        recorded = (body.get("status") or {}).get("pools") or {}
         for pool, d in decision.pools.items():
             DESIRED.labels(namespace, name, pool).set(d.desired)
             CURRENT.labels(namespace, name, pool).set(d.current)
+            READY.labels(namespace, name, pool).set(int((recorded.get(pool) or {}).get("readyReplicas", 0)))
         DECISIONS.labels(namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
         if decision.is_scaling:
             reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
