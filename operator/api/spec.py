@@ -263,12 +263,8 @@ class AutoscalingSpec(ApiModel):
     enabled: bool = Field(default=False, description="Run Tidepool's autoscaler for this service.")
     mode: Literal["active", "advisory", "external"] = Field(
         default="active",
-        description=(
-            "active: scale the pools; advisory: decide and report in status, never act; external: Tidepool's "
-            "autoscaler stays off (no scrape, no decision) and an HPA or KEDA drives the scale subresource "
-            "(spec.replicas: the unified pool, or the decode pool when disaggregated); the other pools keep "
-            "their own replicas."
-        ),
+        description="active: scale the pools; advisory: decide and report in status, never act; external: no "
+        "scrape, no decision: HPA/KEDA drive the scale subresource (spec.replicas: unified, or decode pool).",
     )
     slo: Slo = Field(default_factory=Slo, description="Latency objectives.")
     kv_cache_target: float = Field(
