@@ -28,7 +28,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from tidepool.operator.api import InferenceServiceStatus, now_rfc3339
-from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas
+from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, is_autoscaled
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store
 from tidepool.operator.events import EventRecorder
@@ -270,7 +269,7 @@ class Controller:
         if meta.get("deletionTimestamp"):
             return
         if self.autoscaler is not None:
-            if _autoscaling_enabled(body):
+            if is_autoscaled(body):
                 if self.autoscaler.seconds_until_due(key) <= 0:
                     body = await self.autoscaler.tick(key, body)
                     self.store.put({**body, "kind": SERVICE_KIND})
@@ -385,7 +384,3 @@ class Controller:
         if degraded is None or degraded.reason != "InvalidSpec" or degraded.message != message:
             logger.info("[%s/%s] invalid spec: %s", *key, message)
             await self.events.post(body, "Warning", "InvalidSpec", message[:1000])
-
-
-def _autoscaling_enabled(body: Mapping[str, Any]) -> bool:
-    return bool(((body.get("spec") or {}).get("autoscaling") or {}).get("enabled"))

@@ -27,6 +27,7 @@ import httpx
 import kopf
 from prometheus_client import start_http_server
 
+from tidepool.operator.api import DEFAULT_ENGINE_IMAGE
 from tidepool.operator.autoscaler.handlers import Autoscaler, metrics_source
 from tidepool.operator.builders import ClusterFeatures
 from tidepool.operator.controller import Controller, ControllerOptions
@@ -45,6 +46,7 @@ class OperatorOptions:
     kube_api_burst: int = 400
     lease: LeaseConfig | None = None  # None: no leader election (a single replica)
     gpus_per_node: int = 8
+    engine_image: str | None = None  # None: DEFAULT_ENGINE_IMAGE
     router_image: str | None = None
     hf_download_image: str | None = None
     s3_download_image: str = "amazon/aws-cli:2.22.35"
@@ -105,6 +107,7 @@ def register(registry: kopf.OperatorRegistry, creds: Credentials, options: Opera
         await client.open()
         features = ClusterFeatures(
             gpus_per_node=options.gpus_per_node,
+            engine_image=options.engine_image or DEFAULT_ENGINE_IMAGE,
             router_image=options.router_image,
             hf_download_image=options.hf_download_image,
             s3_download_image=options.s3_download_image,

@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument("--renew-deadline-seconds", type=float, default=10.0, help="a leader unable to renew quits")
     election.add_argument("--retry-period-seconds", type=float, default=5.0, help="renew / poll interval")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; sizes multi-node replicas")
+    parser.add_argument(
+        "--engine-image",
+        default=None,
+        help="engine image of services that set no spec.engine.image (the chart's engineImage); default: the API's",
+    )
     parser.add_argument("--router-image", default=None, help="router image; default: each service's engine image")
     parser.add_argument(
         "--hf-download-image", default=None, help="image with `hf` for hf:// models; default engine image"
@@ -114,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kube_api_burst=args.kube_api_burst,
         lease=lease,
         gpus_per_node=args.gpus_per_node,
+        engine_image=args.engine_image,
         router_image=args.router_image,
         hf_download_image=args.hf_download_image,
         s3_download_image=args.s3_download_image,

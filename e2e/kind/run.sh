@@ -40,7 +40,8 @@ docker build -f docker/Dockerfile --target operator -t "$OPERATOR_IMAGE" .
 kind load docker-image --name "$CLUSTER" "$ENGINE_IMAGE" "$OPERATOR_IMAGE"
 
 helm upgrade --install tidepool charts/tidepool --namespace tidepool-system --create-namespace \
-  --set image.repository=tidepool/operator --set image.tag="$TAG" --wait --timeout 5m
+  --set image.repository=tidepool/operator --set image.tag="$TAG" \
+  --set engineImage.repository=tidepool/engine --set engineImage.tag="$TAG" --wait --timeout 5m
 
 kubectl apply -f "$SAMPLE"
 name="$(kubectl get -f "$SAMPLE" -o jsonpath='{.metadata.name}')"

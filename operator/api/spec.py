@@ -86,8 +86,12 @@ class Speculative(ApiModel):
 class EngineSpec(ApiModel):
     """The Tidepool engine each replica runs (`tidepool serve` flags)."""
 
-    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] = Field(
-        default=DEFAULT_ENGINE_IMAGE, description="Container image holding the `tidepool` engine."
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = Field(
+        default=None,
+        description=(
+            "Container image holding the `tidepool` engine; unset: the operator's default engine image "
+            "(`tidepool operator --engine-image`, the chart's engineImage value)."
+        ),
     )
     dtype: Annotated[Dtype, ServeFlagRef("dtype")] = serve_flag_field(
         "dtype", description="Activation/weight dtype; auto uses the checkpoint's."
@@ -257,8 +261,10 @@ class AutoscalingSpec(ApiModel):
     """Tidepool's SLO-driven autoscaler."""
 
     enabled: bool = Field(default=False, description="Run Tidepool's autoscaler for this service.")
-    mode: Literal["active", "advisory"] = Field(
-        default="active", description="active: scale the pools; advisory: decide and report in status, never act."
+    mode: Literal["active", "advisory", "external"] = Field(
+        default="active",
+        description="active: scale the pools; advisory: decide and report in status, never act; external: no "
+        "scrape, no decision: HPA/KEDA drive the scale subresource (spec.replicas: unified, or decode pool).",
     )
     slo: Slo = Field(default_factory=Slo, description="Latency objectives.")
     kv_cache_target: float = Field(

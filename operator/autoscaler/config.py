@@ -24,11 +24,13 @@ def pool_names(spec: SpecLike) -> tuple[str, ...]:
 
 
 def is_enabled(spec: SpecLike) -> bool:
-    """autoscaling.enabled of a valid spec; an invalid one is never autoscaled (reconcile reports it Degraded)."""
+    """Tidepool's autoscaler runs for a valid spec with autoscaling.enabled, unless mode is external (HPA/KEDA
+    scale it); an invalid one is never autoscaled (reconcile reports it Degraded)."""
     try:
-        return ServiceView.from_spec(spec).autoscaling.enabled
+        auto = ServiceView.from_spec(spec).autoscaling
     except (ValidationError, SpecError):
         return False
+    return auto.enabled and auto.mode != "external"
 
 
 def declared_replicas(spec: SpecLike) -> dict[str, int]:

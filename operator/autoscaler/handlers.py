@@ -7,8 +7,9 @@ unschedulable pods (the pod cache), run `policy.decide`, then write `status.auto
 mode, lastScaleTime, lastDecision, per-pool desiredReplicas and inputs, `limited`, and the policy's
 stabilization state (recent recommendations, lastActiveTime). In active mode the reconcile that
 follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas()`); in advisory
-mode nothing but status, an Event and the metrics change. With autoscaling disabled the spec's
-replicas apply and HPA/KEDA may drive the scale subresource.
+mode nothing but status, an Event and the metrics change. With autoscaling disabled, or in external mode,
+the autoscaler never ticks (no scrape, no status, no replicas): the spec's replicas apply and HPA/KEDA
+drive the scale subresource (`spec.replicas`, the scaled pool's).
 
 Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
 operator resumes from it without scaling anything down: replicas come from status, and the
@@ -47,6 +48,9 @@ from .policy_types import Decision, History, PoolSnapshot, PoolState
 DECISIONS = Counter("tidepool_autoscaler_decisions", "Autoscaler decisions", ["namespace", "name", "mode", "action"])
 DESIRED = Gauge("tidepool_autoscaler_desired_replicas", "Replicas the autoscaler wants", ["namespace", "name", "pool"])
 CURRENT = Gauge("tidepool_autoscaler_current_replicas", "Replicas when deciding", ["namespace", "name", "pool"])
+READY = Gauge(
+    "tidepool_autoscaler_ready_replicas", "Ready replicas when deciding (status.pools)", ["namespace", "name", "pool"]
+)
 PERSIST_S = 60.0
 MAX_RECOMMENDATIONS = 64
 logger = logging.getLogger("tidepool.operator.autoscaler")
@@ -63,6 +67,12 @@ def _epoch(text: str | None) -> float | None:
     if not text:
         return None
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def is_autoscaled(body: Mapping[str, Any]) -> bool:
+    """Tidepool's autoscaler ticks for this object: enabled, in active or advisory mode (never external)."""
+    auto = (body.get("spec") or {}).get("autoscaling") or {}
+    return bool(auto.get("enabled")) and auto.get("mode", "active") != "external"
 
 
 def is_active(body: Mapping[str, Any]) -> bool:
@@ -216,6 +226,8 @@ class Autoscaler:
         namespace, name = key
         now = self.clock()
         self.next_tick[key] = now + self.interval_s
+        if not is_autoscaled(body):  # external mode (or off): HPA/KEDA own the replicas; never scrape
+            return body
         spec = dict(body.get("spec") or {})
         pools = pool_names(spec)
         previous = (body.get("status") or {}).get("autoscaling") or {}
@@ -225,9 +237,11 @@ class Autoscaler:
         decision = decide(config_from_spec(spec), snapshots, self._current(key, body, pools), history, now)
         self.histories[key] = decision.history
         mode = "advisory" if decision.is_advisory else "active"
+        recorded = (body.get("status") or {}).get("pools") or {}
         for pool, d in decision.pools.items():
             DESIRED.labels(namespace, name, pool).set(d.desired)
             CURRENT.labels(namespace, name, pool).set(d.current)
+            READY.labels(namespace, name, pool).set(int((recorded.get(pool) or {}).get("readyReplicas", 0)))
         DECISIONS.labels(namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
         if decision.is_scaling:
             reason = "AdvisoryScale" if decision.is_advisory else "Scaled"

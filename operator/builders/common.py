@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tidepool.operator.api import DEFAULT_ENGINE_IMAGE, ServiceView
+
 GROUP = "tidepool.dev"
 LABEL_SERVICE = f"{GROUP}/inferenceservice"
 LABEL_POOL = f"{GROUP}/pool"
@@ -34,9 +36,15 @@ class ClusterFeatures:
     has_lws: bool = False  # the LeaderWorkerSet CRD is installed
     has_service_monitor: bool = False  # the Prometheus operator's ServiceMonitor CRD is installed
     gpus_per_node: int = 8
+    engine_image: str = DEFAULT_ENGINE_IMAGE  # for services without spec.engine.image (--engine-image)
     router_image: str | None = None  # default: the engine image (it ships `tidepool router`)
     hf_download_image: str | None = None  # default: the engine image (it ships `hf` / huggingface_hub)
     s3_download_image: str = "amazon/aws-cli:2.22.35"
+
+
+def engine_image(view: ServiceView, features: ClusterFeatures) -> str:
+    """The engine pods' image: the service's own, else the operator's default."""
+    return view.engine.image or features.engine_image
 
 
 def spec_hash(obj: Any) -> str:

@@ -43,6 +43,7 @@ from .common import (
     ClusterFeatures,
     child_name,
     container_security_context,
+    engine_image,
     labels,
     metadata,
     pod_security_context,
@@ -180,7 +181,7 @@ def pod_template(
     view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
 ) -> dict[str, Any]:
     """The pod of every rank of a replica (multi-node ranks share it; see the module docstring)."""
-    hf_image = features.hf_download_image or view.engine.image
+    hf_image = features.hf_download_image or engine_image(view, features)
     s3_image = features.s3_download_image
     model = model_source(
         view.model.uri, view.model.revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image
@@ -221,7 +222,7 @@ def pod_template(
             mounts.append(src.mount)
     container = {
         "name": "engine",
-        "image": view.engine.image,
+        "image": engine_image(view, features),
         "command": ["tidepool", "serve"],
         "args": args + list(view.engine.extra_args),
         "env": sorted_env(env),

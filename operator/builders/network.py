@@ -24,6 +24,7 @@ from .common import (
     ClusterFeatures,
     child_name,
     container_security_context,
+    engine_image,
     flags_to_args,
     labels,
     metadata,
@@ -146,7 +147,7 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     container = {
         "name": "router",
-        "image": features.router_image or view.engine.image,
+        "image": features.router_image or engine_image(view, features),
         "command": ["tidepool", "router"],
         "args": flags_to_args(flags),
         "env": sorted_env({"HOME": "/tmp"}),

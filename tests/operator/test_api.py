@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from tidepool.operator.api import (
     CONDITION_TYPES,
+    EngineSpec,
     InferenceService,
     InferenceServiceSpec,
     InferenceServiceStatus,
@@ -50,8 +51,8 @@ def test_wire_names_are_exactly_the_issues() -> None:
         "rollout",
         "pod",
     ]
+    assert "image" in EngineSpec.model_fields and "image" not in wire["engine"]  # unset: the operator's default
     assert set(wire["engine"]) >= {
-        "image",
         "dtype",
         "maxNumSeqs",
         "blockSize",

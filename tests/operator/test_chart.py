@@ -7,6 +7,7 @@ a missing binary fails the test with the build command.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ def test_lint_is_clean(helm: str) -> None:
 
 def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
     docs = render(helm)
-    kinds = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
+    kinds = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
     assert sorted(d["kind"] for d in docs) == kinds
     for doc in docs:
         labels = doc["metadata"]["labels"]
@@ -173,8 +174,9 @@ def test_watch_namespaces_binds_the_namespaced_role_only_there(helm: str) -> Non
 
 def test_rbac_and_service_account_can_be_brought_by_the_user(helm: str) -> None:
     docs = render(helm, "rbac.create=false", "serviceAccount.create=false", "serviceAccount.name=mine")
-    assert sorted(d["kind"] for d in docs) == ["Deployment"]
-    assert docs[0]["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "Service"]  # the operator and its metrics Service
+    (deployment,) = _by_kind(docs, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "mine"
     out = _helm(helm, "template", "tp", str(CHART), "--set", "serviceAccount.create=false", check=False)
     assert out.returncode != 0 and "serviceAccount.name is required" in out.stderr
 
@@ -187,6 +189,9 @@ def test_rbac_and_service_account_can_be_brought_by_the_user(helm: str) -> None:
         ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
         ("replicas=1", "additional properties 'replicas' not allowed"),
         ("watchNamespaces={Team_A}", "/watchNamespaces/0"),
+        ("metrics.serviceMonitor.interval=often", "/metrics/serviceMonitor/interval"),
+        ("autoscaler.prometheusUrl=prometheus", "/autoscaler/prometheusUrl"),
+        ("engineImage.repository=", "/engineImage/repository"),
     ],
 )
 def test_values_schema_refuses_bad_values(helm: str, value: str, complaint: str) -> None:
@@ -209,3 +214,109 @@ def test_keda_example_targets_the_scale_subresource_within_bounds() -> None:
     assert sample["spec"]["autoscaling"]["mode"] == "advisory"  # Tidepool reports, KEDA acts
     (trigger,) = scaled["spec"]["triggers"]
     assert trigger["type"] == "prometheus" and NUM_REQUESTS_WAITING in trigger["metadata"]["query"]
+
+
+def _operator(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = _by_kind(docs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+COMBOS = (
+    (),
+    ("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=kps"),
+    ("metrics.enabled=false", "metrics.serviceMonitor.enabled=true"),
+    ("dashboard.enabled=true", "dashboard.namespace=monitoring"),
+    ("engineImage.repository=registry.local/engine", "engineImage.tag=v7", "image.tag=v8"),
+    (
+        "autoscaler.prometheusUrl=http://prom.monitoring:9090",
+        "autoscaler.intervalSeconds=5",
+        "operator.env[0].name=EXTRA",
+        "operator.env[0].value=extra",
+    ),
+)
+
+
+@pytest.mark.parametrize("sets", COMBOS, ids=lambda sets: ",".join(sets) or "defaults")
+def test_lint_is_clean_for_every_values_combination(helm: str, sets: tuple[str, ...]) -> None:
+    args = [a for item in sets for a in ("--set", item)]
+    out = _helm(helm, "lint", str(CHART), "--strict", *args)
+    assert "0 chart(s) failed" in out.stdout
+    assert render(helm, *sets)  # and it renders
+
+
+def test_operator_metrics_port_service_and_service_monitor(helm: str) -> None:
+    docs = render(helm)
+    container = _operator(docs)
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    assert _env(container)["TIDEPOOL_OPERATOR_METRICS_PORT"] == "9090"
+    (service,) = _by_kind(docs, "Service")
+    (deployment,) = _by_kind(docs, "Deployment")
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
+    assert _by_kind(docs, "ServiceMonitor") == []  # off by default: its CRD may not exist
+
+    docs = render(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.labels.release=kps")
+    (monitor,) = _by_kind(docs, "ServiceMonitor")
+    (service,) = _by_kind(docs, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["labels"]["release"] == "kps"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["honorLabels"] is True
+
+    docs = render(helm, "metrics.enabled=false", "metrics.serviceMonitor.enabled=true")
+    assert _by_kind(docs, "Service") == [] and _by_kind(docs, "ServiceMonitor") == []
+    container = _operator(docs)
+    assert _env(container)["TIDEPOOL_OPERATOR_METRICS_PORT"] == "0"  # the operator starts no endpoint
+    assert all(p["name"] != "metrics" for p in container["ports"])
+
+
+def test_autoscaler_environment_from_values(helm: str) -> None:
+    from tidepool.operator.autoscaler import handlers
+
+    assert not {"TIDEPOOL_PROMETHEUS_URL", "TIDEPOOL_AUTOSCALE_INTERVAL"} & set(_env(_operator(render(helm))))
+    sets = (
+        "autoscaler.prometheusUrl=http://prom.monitoring:9090",
+        "autoscaler.intervalSeconds=5",
+        "autoscaler.windowSeconds=120",
+        "operator.env[0].name=EXTRA",
+        "operator.env[0].value=extra",
+    )
+    env = _env(_operator(render(helm, *sets)))
+    assert env["TIDEPOOL_PROMETHEUS_URL"] == "http://prom.monitoring:9090"
+    assert (env["TIDEPOOL_AUTOSCALE_INTERVAL"], env["TIDEPOOL_AUTOSCALE_WINDOW"], env["EXTRA"]) == ("5", "120", "extra")
+    source = Path(handlers.__file__).read_text()
+    for name in ("TIDEPOOL_PROMETHEUS_URL", "TIDEPOOL_AUTOSCALE_INTERVAL", "TIDEPOOL_AUTOSCALE_WINDOW"):
+        assert f'"{name}"' in source, name  # the variables the autoscaler really reads
+
+
+def test_operator_and_engine_images_are_separate(helm: str) -> None:
+    from tidepool.cli import build_parser as tidepool_parser
+    from tidepool.operator.main import build_parser as operator_parser
+
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+    def images(*sets: str) -> tuple[str, str]:
+        container = _operator(render(helm, *sets))
+        args = operator_parser().parse_args(tidepool_parser().parse_args(container["args"]).args)
+        return container["image"], args.engine_image
+
+    assert images() == (
+        f"ghcr.io/tidepool-dev/tidepool-operator:{app_version}",
+        f"ghcr.io/tidepool-dev/tidepool:{app_version}",
+    )
+    got = images("engineImage.repository=registry.local/engine", "engineImage.tag=v7", "image.tag=v8")
+    assert got == ("ghcr.io/tidepool-dev/tidepool-operator:v8", "registry.local/engine:v7")
+
+
+def test_dashboard_config_map_only_when_enabled(helm: str) -> None:
+    assert _by_kind(render(helm), "ConfigMap") == []
+    (config_map,) = _by_kind(render(helm, "dashboard.enabled=true", "dashboard.namespace=monitoring"), "ConfigMap")
+    assert config_map["metadata"]["namespace"] == "monitoring"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "tidepool.json").read_text())
+    assert json.loads(config_map["data"]["tidepool.json"]) == shipped

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from tidepool.engine.serve_flags import FLAGS
 from tidepool.engine.server.cli import build_parser
 from tidepool.operator.api import (
+    DEFAULT_ENGINE_IMAGE,
     AutoscalingSpec,
     EngineSpec,
     InferenceServiceSpec,
@@ -24,7 +25,7 @@ from tidepool.operator.api import (
 from tidepool.operator.autoscaler import handlers
 from tidepool.operator.autoscaler.config import config_from_spec, declared_replicas, is_enabled
 from tidepool.operator.autoscaler.policy_types import AutoscaleConfig, PoolBounds
-from tidepool.operator.builders import build_children
+from tidepool.operator.builders import ClusterFeatures, build_children
 from tidepool.operator.builders.engine import DRAIN_MARGIN_S, PRESTOP_SLEEP_S
 
 MINIMAL: dict[str, Any] = {"model": {"uri": "hf://org/model"}}  # the one required field
@@ -73,7 +74,8 @@ def test_every_field_omitted_yields_the_api_defaults_in_every_child() -> None:
         assert getattr(parsed, FLAGS[flag].dest) == getattr(defaults, field) == FLAGS[flag].default, flag
     grace = PRESTOP_SLEEP_S + defaults.drain_timeout_seconds + DRAIN_MARGIN_S
     assert pod["terminationGracePeriodSeconds"] == grace
-    assert pod["containers"][0]["image"] == defaults.image
+    assert defaults.image is None  # the operator's default engine image applies
+    assert pod["containers"][0]["image"] == ClusterFeatures().engine_image == DEFAULT_ENGINE_IMAGE
     assert router["spec"]["replicas"] == RouterSpec().replicas
     router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router_args[router_args.index("--policy") + 1] == RouterSpec().policy
