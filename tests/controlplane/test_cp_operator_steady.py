@@ -6,6 +6,12 @@ the difference of the API server's own `apiserver_request_total` is what the ope
 Priority and Fairness also counts requests per flow schema: the operator is the only ServiceAccount
 client here, so `service-accounts` in the running window is its count, directly. Both must stay
 within 1 request per service per minute (the Lease renewals, a fixed ~12 a minute, are most of it).
+
+The window difference leaves WATCH requests out: every informer of the cluster's own components
+(~40 in kube-controller-manager, the scheduler, KWOK) re-opens its watch every 5-10 minutes, so
+which window a reconnect lands in is chance, ~±60 requests here, ±1 per service per minute at
+N=30 (a CI run measured 1.02 from that noise alone). The operator's own watches still count: APF
+attributes every request of the operator's ServiceAccount, watches included, and that is asserted.
 """
 
 from __future__ import annotations
@@ -83,8 +89,13 @@ def test_steady_state_costs_at_most_one_request_per_service_per_minute(control_p
     attributed = counter_delta(
         a0, a1, "apiserver_flowcontrol_dispatched_requests_total", flow_schema="service-accounts"
     )
-    per_service = (running - stopped) / NUM_SERVICES / minutes
-    print(f"running {running:.0f}, stopped {stopped:.0f} -> {per_service:.3f} requests/service/minute")
+    running_watches = counter_delta(a0, a1, "apiserver_request_total", verb="WATCH")
+    stopped_watches = counter_delta(b0, b1, "apiserver_request_total", verb="WATCH")
+    total_per_service = (running - stopped) / NUM_SERVICES / minutes
+    per_service = ((running - running_watches) - (stopped - stopped_watches)) / NUM_SERVICES / minutes
+    print(f"running {running:.0f}, stopped {stopped:.0f} -> {total_per_service:.3f} requests/service/minute")
+    print(f"without WATCH: running {running - running_watches:.0f}, stopped {stopped - stopped_watches:.0f} "
+          f"-> {per_service:.3f} requests/service/minute")  # fmt: skip
     print(f"APF service-accounts (the operator) {attributed:.0f} -> {attributed / NUM_SERVICES / minutes:.3f}")
     print("running window by kind:", requests_by_kind(a0, a1))
     print("stopped window by kind:", requests_by_kind(b0, b1))

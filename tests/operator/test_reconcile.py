@@ -130,6 +130,42 @@ def test_hand_edits_are_reverted_by_the_next_event_or_resync():
     assert ("ConfigMap", f"{NAME}-engine-config") in api.objects
 
 
+def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
+    """A hand edit or delete whose watch event arrives while a reconcile awaits its writes is not taken
+    as verified: the next (event-triggered, not full) reconcile compares and repairs it."""
+    api, ctrl = setup()
+    sync(ctrl)
+    config_key, pdb_key = ("ConfigMap", f"{NAME}-engine-config"), ("PodDisruptionBudget", f"{NAME}-unified")
+    wanted = copy.deepcopy(api.objects[config_key]["data"])
+    assert pdb_key in api.objects
+    deploy = api.objects[("Deployment", f"{NAME}-unified")]
+    deploy["spec"]["replicas"] = 4  # the drift this reconcile repairs...
+    deploy["metadata"]["generation"] += 1
+    api._bump(deploy)
+    api.store.put(copy.deepcopy(deploy))
+    real_apply = api.apply
+    edited: list[bool] = []
+
+    async def apply_racing_a_hand_edit(obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
+        if not edited:  # ...while two more edits arrive through the watch
+            edited.append(True)
+            config = api.objects[config_key]
+            config["data"] = {"engine.json": "{}"}
+            api._bump(config)
+            api.store.put(copy.deepcopy(config))
+            pdb = api.objects.pop(pdb_key)
+            api.store.delete({"kind": pdb["kind"], "metadata": pdb["metadata"]})
+        return await real_apply(obj, force)
+
+    api.apply = apply_racing_a_hand_edit  # type: ignore[method-assign]
+    sync(ctrl)
+    assert edited and api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 2
+    api.apply = real_apply  # type: ignore[method-assign]
+    sync(ctrl)  # the edits' events queued the key again: not a full resync
+    assert api.objects[config_key]["data"] == wanted
+    assert pdb_key in api.objects
+
+
 def test_mode_switch_keeps_the_old_pool_until_the_new_pools_serve():
     api, ctrl = setup()
     sync(ctrl)
