@@ -37,7 +37,7 @@ from pydantic import ValidationError
 from tidepool.operator.api import InferenceServiceStatus, now_rfc3339
 from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, is_autoscaled
 from tidepool.operator.builders import ClusterFeatures, SpecError
-from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store
+from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store, compact
 from tidepool.operator.events import EventRecorder
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.reconcile import (
@@ -298,6 +298,11 @@ class Controller:
             and {k: c.version for k, c in children.items()} == state.versions
         )
         held_router = False
+        # The child versions this reconcile checks against the spec: the cache snapshot it compares, then
+        # what its own writes returned. Never re-read from the cache afterwards: a hand edit or delete
+        # arriving while this reconcile awaits must not be recorded as verified (it would take the fast
+        # path next time and stay until the resync).
+        versions = {k: c.version for k, c in children.items()}
         if fast and state is not None:
             desired = state.desired
             workloads = {k: c.body() for k, c in children.items() if k[0] in WORKLOAD_KINDS}
@@ -315,11 +320,13 @@ class Controller:
                 before, _ = observe(desired, {k: v for k, v in observed.items() if k[0] in WORKLOAD_KINDS}, pods)
                 held_router = hold_router(todo, desired, observed, all(p.is_serving_current for p in before))
             applied, error = await apply_all(self.client, todo.apply)
-            for obj in applied.values():
+            for child, obj in applied.items():
                 self.store.put(obj)
+                versions[child] = compact(obj).version
             await asyncio.gather(*(self.client.delete(o) for o in todo.prune))
             for obj in todo.prune:
                 self.store.delete({"kind": obj["kind"], "metadata": obj["metadata"]})
+                versions.pop((obj["kind"], obj["metadata"]["name"]), None)
             events += todo.events
             if todo.prune:
                 events.append(pruned_event(todo.prune))
@@ -332,6 +339,7 @@ class Controller:
             await asyncio.gather(*(self.client.delete(o) for o in deferred))
             for obj in deferred:
                 self.store.delete({"kind": obj["kind"], "metadata": obj["metadata"]})
+                versions.pop((obj["kind"], obj["metadata"]["name"]), None)
             events.append(pruned_event(deferred))
             deferred, replaced = [], []
         elif deferred:
@@ -349,7 +357,6 @@ class Controller:
                 events.append(("Warning", "ApplyFailed", error))
             self.verified.pop(key, None)
         else:
-            versions = {k: c.version for k, c in self.store.children_of(key, uid).items()}
             slim = Desired([], desired.pools, desired.router, desired.url, desired.selector, desired.scaled_pool)
             self.verified[key] = Verified(fingerprint, versions, slim, bool(deferred) or held_router)
         if not fast:
