@@ -12,7 +12,7 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
   "unified" in unified mode, "decode" in disaggregated mode) and wins over that pool's `replicas`
   when set; `status.replicas` and `status.selector` describe the same pool.
 - Parallelism: a replica uses tensor x pipeline GPUs (`resources.gpusPerReplica` must equal it, or
-  be 0 for CPU with tensor = pipeline = 1); each pipeline stage is one pod with `tensor` GPUs
+  be 0 for CPU, where the tensor ranks share a pod); each pipeline stage is one pod with `tensor` GPUs
   (`spec.pods_per_replica()`, `spec.gpus_per_pod()`), so pipeline > 1 spans nodes.
 - `validate_spec(spec, name)` returns the messages of the cross-field rules the spec breaks: the
   same rules and messages the CRD's CEL makes the API server enforce (see rules.py).

@@ -108,12 +108,12 @@ SPEC_RULES: tuple[Rule, ...] = (
     Rule(
         s.InferenceServiceSpec,
         "self.resources.gpusPerReplica == self.parallelism.tensor * self.parallelism.pipeline || "
-        "(self.resources.gpusPerReplica == 0 && self.parallelism.tensor == 1 && self.parallelism.pipeline == 1)",
+        "self.resources.gpusPerReplica == 0",
         "resources.gpusPerReplica must equal parallelism.tensor x parallelism.pipeline "
-        "(or be 0 to run on CPU with tensor = pipeline = 1)",
+        "(or be 0 to run on CPU)",
         lambda x: (
             x.resources.gpus_per_replica == x.parallelism.tensor * x.parallelism.pipeline
-            or (x.resources.gpus_per_replica == 0 and x.parallelism.tensor == x.parallelism.pipeline == 1)
+            or x.resources.gpus_per_replica == 0
         ),
         ".resources.gpusPerReplica",
     ),

@@ -173,8 +173,8 @@ class Resources(ApiModel):
         ge=0,
         le=512,
         description=(
-            "GPUs one replica uses; must equal parallelism.tensor x parallelism.pipeline (0 runs on CPU, "
-            "with tensor = pipeline = 1). With pipeline > 1 each stage pod gets `tensor` GPUs."
+            "GPUs one replica uses; must equal parallelism.tensor x parallelism.pipeline, or 0 to run on CPU "
+            "(tensor ranks share a pod). With pipeline > 1 each stage is one pod, with `tensor` GPUs."
         ),
     )
     gpu_product: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(

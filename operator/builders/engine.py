@@ -75,8 +75,9 @@ class Topology:
 def topology(view: ServiceView, features: ClusterFeatures) -> Topology:
     """A replica is one pod per pipeline stage with `tensor` GPUs each (the API's contract)."""
     tensor, pipeline = view.parallelism.tensor, view.parallelism.pipeline
-    if view.resources.gpus_per_replica == 0:  # CPU replicas: the API rules keep them at tensor = pipeline = 1
-        return Topology(0, 1, 0, "Deployment")
+    multi_node = "LeaderWorkerSet" if features.has_lws else "StatefulSet"
+    if view.resources.gpus_per_replica == 0:  # CPU: the tensor ranks share one pod, one pod per pipeline stage
+        return Topology(0, pipeline, 0, multi_node) if pipeline > 1 else Topology(0, 1, 0, "Deployment")
     if tensor > features.gpus_per_node:
         raise SpecError(
             f"parallelism.tensor {tensor} needs more GPUs than one node has ({features.gpus_per_node}); "
@@ -84,8 +85,7 @@ def topology(view: ServiceView, features: ClusterFeatures) -> Topology:
         )
     if pipeline == 1:
         return Topology(tensor, 1, tensor, "Deployment")
-    workload = "LeaderWorkerSet" if features.has_lws else "StatefulSet"
-    return Topology(tensor * pipeline, pipeline, tensor, workload)
+    return Topology(tensor * pipeline, pipeline, tensor, multi_node)
 
 
 def startup_budget_s(topo: Topology) -> int:

@@ -129,6 +129,14 @@ CASES = [
         {"svc-unified": ("Deployment", 2, 0)},
         id="cpu-with-created-cache-claim",
     ),
+    pytest.param(  # CPU pipeline parallelism: one pod per stage, no GPUs, the same multi-node workload
+        spec(UNIFIED, resources={"gpusPerReplica": 0}, parallelism={"tensor": 2, "pipeline": 2}),
+        ClusterFeatures(has_lws=True),
+        COMMON
+        | {("LeaderWorkerSet", "svc-unified"), ("Service", "svc-unified"), ("PodDisruptionBudget", "svc-unified")},
+        {"svc-unified": ("LeaderWorkerSet", 2, 0)},
+        id="cpu-pipeline-parallel-lws",
+    ),
 ]
 
 
