@@ -323,6 +323,9 @@ def pool_workloads(
                 "spec": {
                     "replicas": replicas,
                     "startupPolicy": "LeaderCreated",
+                    # A headless Service per group (`<name>-<group>`): the pool's own ClusterIP Service already
+                    # holds `<name>`, so LWS's shared one could not exist and the leader's DNS name would not resolve.
+                    "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
                     "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rollout},
                     "leaderWorkerTemplate": {
                         "size": topo.nnodes,
