@@ -83,8 +83,10 @@ def test_multi_node_pool_runs_on_the_real_leaderworkerset_controller(control_pla
     leader = next(p for p in found if p["metadata"]["labels"][WORKER_INDEX] == "0")
     for pod in found:
         env = {e["name"]: e.get("value") for c in pod["spec"]["containers"] for e in c.get("env", [])}
-        # injected by the LWS pod webhook; the operator's --master-addr / --node-rank expand them
-        assert env["LWS_LEADER_ADDRESS"].startswith(f"{leader['metadata']['name']}.{NAME}-unified.{ns}")
+        # injected by the LWS pod webhook; the operator's --master-addr / --node-rank expand them. The
+        # subdomain is the group's own headless Service (UniquePerReplica: `<lws>-<group>`), never the pool's
+        # ClusterIP Service `<lws>`, whose name LWS's shared headless Service would need.
+        assert env["LWS_LEADER_ADDRESS"].startswith(f"{leader['metadata']['name']}.{NAME}-unified-0.{ns}")
         assert env["LWS_WORKER_INDEX"] == pod["metadata"]["labels"][WORKER_INDEX]
         assert pod["spec"]["nodeName"].startswith("kwok-gpu-")
     sts = json.loads(control_plane.kubectl("get", "statefulsets", "-n", ns, "-o", "json").stdout)["items"]
