@@ -28,6 +28,8 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
 Never imports torch (the operator image has none); of the engine it imports only the flag table.
 """
 
+from tidepool.operator.api.model import ModelCache, ModelSource
+from tidepool.operator.api.pod import PodOverrides, Toleration
 from tidepool.operator.api.quantity import canonical_quantity, quantity_value
 from tidepool.operator.api.resource import (
     API_VERSION,
@@ -52,10 +54,7 @@ from tidepool.operator.api.spec import (
     AutoscalingSpec,
     EngineSpec,
     InferenceServiceSpec,
-    ModelCache,
-    ModelSource,
     Parallelism,
-    PodOverrides,
     Pools,
     PoolSpec,
     PrefillDecodeRatio,
@@ -68,7 +67,6 @@ from tidepool.operator.api.spec import (
     Slo,
     Speculative,
     Stabilization,
-    Toleration,
     serve_flag_fields,
 )
 from tidepool.operator.api.status import (

@@ -18,6 +18,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from tidepool.engine.serve_flags import managed_spellings
+from tidepool.operator.api import model as m
+from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
 
 URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?)$"
@@ -154,21 +156,21 @@ SPEC_RULES: tuple[Rule, ...] = (
         ".replicas",
     ),
     Rule(
-        s.ModelSource,
+        m.ModelSource,
         "!self.uri.startsWith('file://')",
         FILE_URI_MESSAGE,
         lambda m: not m.uri.startswith("file://"),
         ".uri",
     ),
     Rule(
-        s.ModelSource,
+        m.ModelSource,
         f"self.uri.startsWith('file://') || self.uri.matches('{URI_RE}')",
         f"model.uri {URI_MESSAGE}",
         lambda m: m.uri.startswith("file://") or re.match(URI_RE, m.uri) is not None,
         ".uri",
     ),
     Rule(
-        s.ModelSource,
+        m.ModelSource,
         "!has(self.revision) || self.uri.startsWith('hf://')",
         "model.revision applies only to hf:// URIs; remove it or pin the version in the path",
         lambda m: m.revision is None or m.uri.startswith("hf://"),
@@ -238,21 +240,21 @@ SPEC_RULES: tuple[Rule, ...] = (
         lambda r: not (r.max_surge in (0, "0%") and r.max_unavailable in (0, "0%")),
     ),
     Rule(
-        s.Toleration,
+        p.Toleration,
         "self.operator != 'Exists' || !has(self.value)",
         "a toleration with operator Exists must not set value",
         lambda t: t.operator != "Exists" or t.value is None,
         ".value",
     ),
     Rule(
-        s.Toleration,
+        p.Toleration,
         "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
         "tolerationSeconds applies only to effect NoExecute",
         lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
         ".tolerationSeconds",
     ),
     Rule(
-        s.ModelCache,
+        m.ModelCache,
         "has(self.size) || !has(self.storageClassName)",
         "modelCache.storageClassName needs modelCache.size (it applies only to a claim the operator creates)",
         lambda c: c.size is not None or c.storage_class_name is None,

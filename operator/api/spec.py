@@ -19,7 +19,9 @@ from pydantic import Field, StringConstraints
 
 from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.types import DnsSubdomain, IntOrPercent, Quantity, ShortString
+from tidepool.operator.api.model import ModelCache, ModelSource
+from tidepool.operator.api.pod import PodOverrides
+from tidepool.operator.api.types import IntOrPercent, Quantity
 
 POOL_UNIFIED = "unified"
 POOL_PREFILL = "prefill"
@@ -30,7 +32,6 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/tidepool-dev/tidepool:0.1.0"
 Mode = Literal["unified", "disaggregated"]
 # Enumerations the engine defines are taken from its flag table, not copied.
 Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
-Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
 RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
 ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
 
@@ -46,29 +47,6 @@ class ServeFlagRef:
 def serve_flag_field(name: str, **kwargs: Any) -> Any:
     """A Field whose default is the engine's own default for flag `name` (one source for both)."""
     return Field(default=FLAGS[name].default, **kwargs)
-
-
-class ModelSource(ApiModel):
-    """Where the weights come from and how they are stored."""
-
-    uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
-        description=(
-            "Model location: hf://org/name (Hugging Face Hub), pvc://claim/path (a folder on a PersistentVolumeClaim "
-            "in this namespace; for a folder already on a node, bind a local or hostPath PersistentVolume to a "
-            "claim), or s3://bucket/prefix."
-        )
-    )
-    revision: ShortString | None = Field(
-        default=None, description="Hugging Face revision (branch, tag or commit) for hf:// URIs; unset means main."
-    )
-    quantization: Quantization = Field(
-        default="none",
-        description=(
-            "Weight quantization: none; int8/int4 (Tidepool weight-only, quantized at load); gptq/awq "
-            "(checkpoint already quantized with that method); gguf (a GGUF model's Q8_0/Q4_0/Q4_1 weights kept "
-            "quantized; without it a GGUF model is dequantized)."
-        ),
-    )
 
 
 class Speculative(ApiModel):
@@ -289,52 +267,6 @@ class RolloutSpec(ApiModel):
 
     max_surge: IntOrPercent = Field(default=1, description="Extra replicas (count or %) during a rollout.")
     max_unavailable: IntOrPercent = Field(default=0, description="Replicas (count or %) that may be down in a rollout.")
-
-
-class Toleration(ApiModel):
-    """A Kubernetes pod toleration."""
-
-    key: Annotated[str, StringConstraints(max_length=316)] | None = Field(
-        default=None, description="Taint key; unset with operator Exists matches every taint."
-    )
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: Annotated[str, StringConstraints(max_length=63)] | None = Field(
-        default=None, description="Taint value to match (only with Equal)."
-    )
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect to match; unset matches all effects."
-    )
-    toleration_seconds: int | None = Field(
-        default=None, ge=0, description="How long a NoExecute taint is tolerated before eviction."
-    )
-
-
-class PodOverrides(ApiModel):
-    """Settings copied onto every engine and router pod."""
-
-    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
-        default_factory=dict, max_length=32, description="Extra node selector labels."
-    )
-    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
-    annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] = Field(
-        default_factory=dict, max_length=64, description="Extra pod annotations."
-    )
-    service_account_name: DnsSubdomain | None = Field(
-        default=None, description="ServiceAccount of the engine pods; unset uses the namespace default."
-    )
-    priority_class_name: DnsSubdomain | None = Field(default=None, description="PriorityClass of the engine pods.")
-
-
-class ModelCache(ApiModel):
-    """A PersistentVolumeClaim shared by the replicas to hold downloaded weights."""
-
-    claim_name: DnsSubdomain = Field(description="Name of the PersistentVolumeClaim (in this namespace).")
-    size: Quantity | None = Field(
-        default=None, description="Set to have the operator create the claim with this size; unset: it must exist."
-    )
-    storage_class_name: DnsSubdomain | None = Field(
-        default=None, description="StorageClass of a claim the operator creates (needs size); unset: default class."
-    )
 
 
 class InferenceServiceSpec(ApiModel):

@@ -21,15 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidepool.operator.api.model import ModelCache, ModelSource
+from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.rules import validate_spec
 from tidepool.operator.api.spec import (
     AutoscalingSpec,
     EngineSpec,
     InferenceServiceSpec,
-    ModelCache,
-    ModelSource,
     Parallelism,
-    PodOverrides,
     Resources,
     RolloutSpec,
     RouterSpec,
