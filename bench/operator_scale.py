@@ -247,6 +247,23 @@ def steady_state(
     }
 
 
+def requests_to_ready(before: dict, after: dict, num: int) -> dict[str, Any]:
+    """Where the API server's requests came from while the services came up: per 'VERB resource' and per
+    APF flow schema (which client: the operator is a ServiceAccount, the controllers are system users)."""
+    by_client: dict[str, float] = {}
+    for labels, value in after["apiserver_flowcontrol_dispatched_requests_total"].items():
+        schema = dict(labels).get("flow_schema", "?")
+        delta = value - before["apiserver_flowcontrol_dispatched_requests_total"].get(labels, 0.0)
+        by_client[schema] = by_client.get(schema, 0.0) + delta
+    by_kind = requests_by_kind(before, after)
+    return {
+        "requests_to_ready_total": sum(by_kind.values()),
+        "requests_to_ready_per_service": round(sum(by_kind.values()) / num, 1),
+        "requests_to_ready_by_kind": {k: v for k, v in list(by_kind.items())[:40]},
+        "requests_to_ready_by_flow_schema": dict(sorted(by_client.items(), key=lambda kv: -kv[1])),
+    }
+
+
 def plot(timeline: list[dict[str, Any]], num: int, path: Path) -> None:
     import matplotlib
 
@@ -293,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         components = {name: ProcStats(pid) for name, pid in cluster.pids.items()}
         component_cpu0 = {name: c.cpu_s() for name, c in components.items()}
         result["operator_rss_idle_mb"] = round(stats.rss_mb(), 1)
+        requests0 = apiserver_counters(cluster)
         create_s, timeline = asyncio.run(create_and_watch(cluster.kubeconfig, num, args.timeout, args.poll))
         result["create_all_s"] = round(create_s, 2)
         elapsed = timeline[-1]["t"]
@@ -312,6 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             load_average_before=[round(x, 2) for x in load0],
             load_average_at_ready=[round(x, 2) for x in os.getloadavg()],
             timeline=timeline,
+            **requests_to_ready(requests0, apiserver_counters(cluster), num),
         )
         if ready == num and args.window > 0:
             result["steady_state"] = steady_state(cluster, op, stats, num, args.settle, args.window)

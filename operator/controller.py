@@ -87,7 +87,8 @@ class Controller:
         self.client, self.options = client, options
         self.namespaces: list[str | None] = list(namespaces) if namespaces else [None]
         self.store = Store(self._on_change)
-        self.queue = WorkQueue()
+        # Keys reconciled before go first: their triggers finish work in progress (see workqueue.py).
+        self.queue = WorkQueue(is_known=lambda key: key in self.verified)
         self.events = EventRecorder(client)
         self.features = options.features
         self.verified: dict[Key, Verified] = {}

@@ -190,6 +190,30 @@ def test_queue_coalesces_serialises_and_requeues_dirty_keys():
     asyncio.run(run())
 
 
+def test_queue_serves_keys_reconciled_before_ahead_of_new_ones():
+    known = {"old1", "old2"}
+
+    async def run() -> None:
+        q = WorkQueue(is_known=lambda key: key in known)
+        for key in ("new1", "new2", "old1", "new3", "old2"):
+            q.add(key)
+        order = []
+        for _ in range(5):
+            key, _ = await q.get()
+            order.append(key)
+            q.done(key)
+        # the known lane first (FIFO within it), then the new keys in arrival order
+        assert order == ["old1", "old2", "new1", "new2", "new3"]
+        # a waiting worker wakes for a key added later
+        waiter = asyncio.create_task(q.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        q.add("new4")
+        assert (await asyncio.wait_for(waiter, 5))[0] == "new4"
+
+    asyncio.run(run())
+
+
 def test_queue_timers_and_backoff_use_the_given_clock():
     now = [0.0]
 
