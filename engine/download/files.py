@@ -134,7 +134,7 @@ def fetch_file(hub: Hub, info: RepoInfo, f: RepoFile, dest: Path) -> int:
                     offset, hasher = 0, hashlib.sha256()
                 last_log = time.monotonic()
                 with open(part, "ab" if offset else "wb") as out:
-                    for block in resp.iter_bytes(CHUNK):
+                    for block in resp.iter_bytes():  # as received: a broken transfer keeps what came
                         out.write(block)
                         hasher.update(block)
                         transferred += len(block)

@@ -95,8 +95,14 @@ class Hub:
                 yield resp
         except httpx.TimeoutException as exc:
             raise TransientError(self.unreachable(f"timed out ({type(exc).__name__})")) from None
-        except httpx.TransportError as exc:
-            raise TransientError(self.unreachable(f"{type(exc).__name__}: {exc}")) from None
+        except httpx.ConnectError as exc:
+            raise TransientError(self.unreachable(f"ConnectError: {exc}")) from None
+        except httpx.TransportError as exc:  # the connection broke mid-response
+            where = f" during {file}" if file else ""
+            raise TransientError(
+                f"the connection to {self.endpoint} broke{where} ({type(exc).__name__}: {exc}); the next attempt "
+                "resumes where it stopped"
+            ) from None
 
     def unreachable(self, why: str) -> str:
         return (
