@@ -86,6 +86,7 @@ def _pull(args: argparse.Namespace) -> int:
 DELEGATED: dict[str, tuple[str, str]] = {
     "serve": ("tidepool.engine.server.cli", "OpenAI-compatible HTTP server"),
     "router": ("tidepool.engine.router.cli", "data-plane router in front of engine replicas"),
+    "download": ("tidepool.engine.download.cli", "fetch an hf:// model into a folder (engine pods' init step)"),
     "quantize": ("tidepool.engine.quant.cli", "write an int8/int4 weight-only quantized copy of a model"),
     "crds": ("tidepool.operator.crdgen", "write the CustomResourceDefinitions generated from the API models"),
     "operator": ("tidepool.operator.main", "run the Kubernetes operator (kopf)"),

@@ -29,6 +29,7 @@ from typing import Any
 
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY
 from tidepool.operator.k8s import ApiError, KubeClient
+from tidepool.operator.pod_problems import container_problems
 
 logger = logging.getLogger("tidepool.operator.cache")
 
@@ -40,7 +41,6 @@ KEEP_STATUS = {"Deployment", "StatefulSet", "LeaderWorkerSet", "PersistentVolume
 GENERATION_KINDS = {"Deployment", "StatefulSet", "LeaderWorkerSet", "PodDisruptionBudget"}
 GROUP_LABELS = ("tidepool.dev/group-index", "leaderworkerset.sigs.k8s.io/group-index")
 RANK_LABELS = ("apps.kubernetes.io/pod-index", "leaderworkerset.sigs.k8s.io/worker-index")
-WAITING_PROBLEMS = {"ImagePullBackOff", "ErrImagePull", "CrashLoopBackOff", "CreateContainerConfigError"}
 DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
 MAX_TOMBSTONES = 10_000
 
@@ -91,10 +91,7 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         for c in conditions
         if c.get("type") == "PodScheduled" and c.get("status") == "False"
     ]
-    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in WAITING_PROBLEMS:
-            problems.append((waiting["reason"], waiting.get("message", "")))
+    problems += container_problems(status)  # failed downloads, image pulls, crash loops
     group = next((labels[g] for g in GROUP_LABELS if g in labels), None)
     rank = next((labels[r] for r in RANK_LABELS if r in labels), "0") if group is not None else "0"
     ready = status.get("phase") == "Running" and any(

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--router-image", default=None, help="router image; default: each service's engine image")
     parser.add_argument(
-        "--hf-download-image", default=None, help="image with `hf` for hf:// models; default engine image"
+        "--hf-download-image", default=None, help="image with `tidepool download` (hf:// models); default: engine image"
     )
     parser.add_argument(
         "--s3-download-image", default="amazon/aws-cli:2.22.35", help="image with `aws` for s3:// models"

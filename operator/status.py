@@ -14,7 +14,9 @@ Conditions (what `kubectl wait` and Argo CD read):
   `kubectl wait --for=condition=Ready` (which skips conditions of older generations) returns only
   when the new template serves, and dashboards never see the service flap while it serves.
 - Progressing=True while replicas are being replaced (RollingOut) or added/removed (Scaling).
-- Degraded=True when the API refused a child, a workload controller failed, or pods cannot run.
+- Degraded=True when the API refused a child, a workload controller failed, or pods cannot run
+  (a failed model download: reason ModelDownloadFailed, also Ready's reason, with the download's own
+  one-line cause, e.g. "pod P: model download failed: 401 ... Secret hf-token key HF_TOKEN ...").
 - ScalingLimited=True when pods cannot be scheduled or the autoscaler hit a bound.
 `status.observedGeneration` moves to G only once G's children are applied. A condition's
 lastTransitionTime moves only when its status does.
@@ -30,6 +32,7 @@ from typing import Any
 from tidepool.operator.api import InferenceServiceStatus, PoolStatus
 from tidepool.operator.builders import LABEL_SPEC_HASH
 from tidepool.operator.cache import PodInfo
+from tidepool.operator.pod_problems import DOWNLOAD_FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,19 +262,25 @@ def build_status(
         cond("Ready", True, "ServingPreviousSpec", message, was_ready.observed_generation or generation)
     else:
         not_serving = [m for m in members if not m.is_serving_current]
+        message = "; ".join(_describe(m) for m in not_serving) or "children not applied yet"
+        downloads = [p for p in broken if p.reason == DOWNLOAD_FAILED]
         if outcome.apply_error:
             reason = "ApplyFailed"
+        elif downloads:  # the first thing an admin must fix: say what, before the counts
+            reason = DOWNLOAD_FAILED
+            message = f"pod {downloads[0].pod}: {downloads[0].message}; {message}"
         elif capacity:
             reason = "Unschedulable"
         else:
             reason = "RollingOut" if any(m.is_rolling for m in not_serving) else "ReplicasNotReady"
-        cond("Ready", False, reason, "; ".join(_describe(m) for m in not_serving) or "children not applied yet")
+        cond("Ready", False, reason, message[:4000])
 
     degraded_msgs = [*failures, *(f"pod {p.pod} ({p.pool}): {p.reason}: {p.message}" for p in broken)]
+    first_download = next((p for p in broken if p.reason == DOWNLOAD_FAILED), None)
     if outcome.apply_error:
         cond("Degraded", True, "ApplyFailed", outcome.apply_error)
     elif degraded_msgs:
-        reason = "WorkloadFailure" if failures else broken[0].reason
+        reason = "WorkloadFailure" if failures else (first_download or broken[0]).reason
         cond("Degraded", True, reason, "; ".join(degraded_msgs)[:4000])
     else:
         cond("Degraded", False, "AsExpected", "")

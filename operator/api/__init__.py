@@ -28,7 +28,7 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
 Never imports torch (the operator image has none); of the engine it imports only the flag table.
 """
 
-from tidepool.operator.api.model import ModelCache, ModelSource
+from tidepool.operator.api.model import CacheClaim, EmptyDirCache, ModelCache, ModelCredentials, ModelSource
 from tidepool.operator.api.pod import PodOverrides, Toleration
 from tidepool.operator.api.quantity import canonical_quantity, quantity_value
 from tidepool.operator.api.resource import (
@@ -101,12 +101,15 @@ __all__ = [
     "AutoscalingPoolStatus",
     "AutoscalingSpec",
     "AutoscalingStatus",
+    "CacheClaim",
     "Condition",
+    "EmptyDirCache",
     "EngineSpec",
     "InferenceService",
     "InferenceServiceSpec",
     "InferenceServiceStatus",
     "ModelCache",
+    "ModelCredentials",
     "ModelSource",
     "Parallelism",
     "PodOverrides",

@@ -1,7 +1,11 @@
-"""`spec.model` and `spec.modelCache`: where the weights come from and where pods keep them.
+"""`spec.model` and `spec.modelCache`: where the weights come from, how pods authenticate, where pods keep them.
 
 Shapes only, like spec.py (cross-field rules live in rules.py). `Quantization` takes its choices from
 the engine's flag table, so the API and `tidepool serve --quantization` cannot drift.
+
+Invariants: credentials are a Secret *reference* (its name); no field ever holds a secret value, so
+nothing secret can reach the spec, the status, events or logs through the API. The download step
+reads the Secret's keys through `secretKeyRef` env (builders/sources.py, `CREDENTIAL_KEYS`).
 """
 
 from __future__ import annotations
@@ -15,20 +19,53 @@ from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.types import DnsSubdomain, Quantity, ShortString
 
 Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
+AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
+# The per-pod cache when spec.modelCache is unset or sets emptyDir without sizeLimit: room for a model of
+# ~50B parameters in bf16 (safetensors are ~2 bytes per parameter). Bigger models need a larger limit.
+DEFAULT_CACHE_SIZE_LIMIT = "100Gi"
+# Secret keys the download step reads (each optional; absent keys are simply not set in its environment).
+CREDENTIAL_KEYS: tuple[str, ...] = (
+    "HF_TOKEN",
+    "HF_ENDPOINT",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+)
+
+
+class ModelCredentials(ApiModel):
+    """A Secret in the InferenceService's namespace whose well-known keys the download step receives as env."""
+
+    secret_name: DnsSubdomain = Field(
+        description=(
+            "Name of a Secret in this namespace. The download init container gets these keys (each optional) as "
+            "environment variables through secretKeyRef: " + ", ".join(CREDENTIAL_KEYS) + ". HF_TOKEN authenticates "
+            "to the Hugging Face Hub (gated and private models); HF_ENDPOINT points hf:// at a mirror; the AWS_* keys "
+            "configure the aws CLI for s3:// (AWS_ENDPOINT_URL for S3-compatible stores such as MinIO). The engine "
+            "container never receives them, and the operator never reads the Secret (it needs no access to Secrets)."
+        )
+    )
 
 
 class ModelSource(ApiModel):
-    """Where the weights come from and how they are stored."""
+    """Where the weights come from and how they are fetched."""
 
     uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
         description=(
-            "Model location: hf://org/name (Hugging Face Hub), pvc://claim/path (a folder on a PersistentVolumeClaim "
-            "in this namespace; for a folder already on a node, bind a local or hostPath PersistentVolume to a "
-            "claim), or s3://bucket/prefix."
+            "Model location: hf://org/name (Hugging Face Hub, downloaded by `tidepool download`), s3://bucket/prefix "
+            "(downloaded by `aws s3 sync`), or pvc://claim/path (a folder on a PersistentVolumeClaim in this "
+            "namespace, mounted read-only, nothing downloaded; for a folder already on a node, an admin binds a "
+            "local or hostPath PersistentVolume to a claim: hostPath volumes in pods break Pod Security 'restricted')."
         )
     )
     revision: ShortString | None = Field(
         default=None, description="Hugging Face revision (branch, tag or commit) for hf:// URIs; unset means main."
+    )
+    credentials: ModelCredentials | None = Field(
+        default=None,
+        description="Secret holding the download credentials (hf:// and s3:// only); unset: anonymous download.",
     )
     quantization: Quantization = Field(
         default="none",
@@ -40,8 +77,8 @@ class ModelSource(ApiModel):
     )
 
 
-class ModelCache(ApiModel):
-    """A PersistentVolumeClaim shared by the replicas to hold downloaded weights."""
+class CacheClaim(ApiModel):
+    """A PersistentVolumeClaim holding the weights, shared by every pod that mounts it."""
 
     claim_name: DnsSubdomain = Field(description="Name of the PersistentVolumeClaim (in this namespace).")
     size: Quantity | None = Field(
@@ -49,4 +86,45 @@ class ModelCache(ApiModel):
     )
     storage_class_name: DnsSubdomain | None = Field(
         default=None, description="StorageClass of a claim the operator creates (needs size); unset: default class."
+    )
+    access_modes: list[AccessMode] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4,
+        description=(
+            "Access modes of a claim the operator creates (needs size); unset: [ReadWriteMany], so pods on every "
+            "node share one copy. ReadWriteOnce confines all engine pods to the node the volume attaches to."
+        ),
+    )
+
+
+class EmptyDirCache(ApiModel):
+    """A per-pod emptyDir on the node's disk: every pod downloads its own copy, which goes with the pod."""
+
+    size_limit: Quantity = Field(
+        default=DEFAULT_CACHE_SIZE_LIMIT,
+        description=(
+            "sizeLimit of the emptyDir: the kubelet evicts a pod whose cache grows beyond it, so it must hold the "
+            f"whole model (safetensors are ~2 bytes per parameter in bf16). Default {DEFAULT_CACHE_SIZE_LIMIT}."
+        ),
+    )
+
+
+class ModelCache(ApiModel):
+    """Where pods keep downloaded weights: set exactly one of persistentVolumeClaim or emptyDir.
+
+    Unset spec.modelCache means emptyDir with the default sizeLimit.
+    """
+
+    persistent_volume_claim: CacheClaim | None = Field(
+        default=None,
+        description=(
+            "A shared cache: the weights are downloaded once per claim (a lock and a completion marker in the "
+            "volume make other pods wait, then skip). Use a ReadWriteMany claim (NFS, CephFS, EFS, Filestore) to "
+            "share it across nodes. A node-local cache is a local (or hostPath) PersistentVolume that an admin "
+            "creates on the node and binds to this claim; the scheduler then keeps the pods on that node."
+        ),
+    )
+    empty_dir: EmptyDirCache | None = Field(
+        default=None, description="A per-pod cache with a size limit: each pod downloads the model at start."
     )

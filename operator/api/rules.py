@@ -111,8 +111,7 @@ SPEC_RULES: tuple[Rule, ...] = (
         s.InferenceServiceSpec,
         "self.resources.gpusPerReplica == self.parallelism.tensor * self.parallelism.pipeline || "
         "self.resources.gpusPerReplica == 0",
-        "resources.gpusPerReplica must equal parallelism.tensor x parallelism.pipeline "
-        "(or be 0 to run on CPU)",
+        "resources.gpusPerReplica must equal parallelism.tensor x parallelism.pipeline (or be 0 to run on CPU)",
         lambda x: (
             x.resources.gpus_per_replica == x.parallelism.tensor * x.parallelism.pipeline
             or x.resources.gpus_per_replica == 0
@@ -254,11 +253,33 @@ SPEC_RULES: tuple[Rule, ...] = (
         ".tolerationSeconds",
     ),
     Rule(
+        m.ModelSource,
+        "!has(self.credentials) || !self.uri.startsWith('pvc://')",
+        "model.credentials applies only to hf:// and s3:// URIs (a pvc:// model is not downloaded); remove it",
+        lambda m: m.credentials is None or not m.uri.startswith("pvc://"),
+        ".credentials",
+    ),
+    Rule(
         m.ModelCache,
+        "has(self.persistentVolumeClaim) != has(self.emptyDir)",
+        "modelCache must set exactly one of persistentVolumeClaim (a shared claim) or emptyDir (per pod, with "
+        "sizeLimit); remove modelCache for the default emptyDir",
+        lambda c: (c.persistent_volume_claim is None) != (c.empty_dir is None),
+    ),
+    Rule(
+        m.CacheClaim,
         "has(self.size) || !has(self.storageClassName)",
-        "modelCache.storageClassName needs modelCache.size (it applies only to a claim the operator creates)",
+        "modelCache.persistentVolumeClaim.storageClassName needs size (it applies only to a claim the operator "
+        "creates)",
         lambda c: c.size is not None or c.storage_class_name is None,
         ".storageClassName",
+    ),
+    Rule(
+        m.CacheClaim,
+        "has(self.size) || !has(self.accessModes)",
+        "modelCache.persistentVolumeClaim.accessModes needs size (it applies only to a claim the operator creates)",
+        lambda c: c.size is not None or c.access_modes is None,
+        ".accessModes",
     ),
 )
 

@@ -292,7 +292,9 @@ class InferenceServiceSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec, description="Autoscaler settings.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout bounds.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level overrides.")
-    model_cache: ModelCache | None = Field(default=None, description="Shared weight cache (a PVC); unset: emptyDir.")
+    model_cache: ModelCache | None = Field(
+        default=None, description="Where pods keep downloaded weights; unset: a per-pod emptyDir (default sizeLimit)."
+    )
 
     def pool_names(self) -> tuple[str, ...]:
         """The pools this spec's mode runs, in a stable order."""

@@ -7,8 +7,8 @@ give the same output, byte for byte once dumped with sorted keys.
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
 Service, ServiceAccount, Role and RoleBinding; the engine ConfigMap; the model-cache claim when
-`modelCache.size` asks for one; a ServiceMonitor when the CRD exists. `replicas_by_pool` (the
-autoscaler's seam) overrides the spec's replicas per pool.
+`modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists.
+`replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class ClusterFeatures:
     gpus_per_node: int = 8
     engine_image: str = DEFAULT_ENGINE_IMAGE  # for services without spec.engine.image (--engine-image)
     router_image: str | None = None  # default: the engine image (it ships `tidepool router`)
-    hf_download_image: str | None = None  # default: the engine image (it ships `hf` / huggingface_hub)
+    hf_download_image: str | None = None  # default: the engine image (it ships `tidepool download`)
     s3_download_image: str = "amazon/aws-cli:2.22.35"
 
 
@@ -85,6 +85,8 @@ def pod_security_context() -> dict[str, Any]:
         "runAsUser": RUN_AS_ID,
         "runAsGroup": RUN_AS_ID,
         "fsGroup": RUN_AS_ID,
+        # Chown a volume only when its root's owner differs: a big model-cache claim is not walked at every start.
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 

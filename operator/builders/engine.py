@@ -51,7 +51,7 @@ from .common import (
     sorted_env,
     spec_hash,
 )
-from .sources import CACHE_VOLUME, MODELS_DIR, model_source
+from .sources import CACHE_VOLUME, MODELS_DIR, cache_volume_source, model_source
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -183,16 +183,18 @@ def pod_template(
     """The pod of every rank of a replica (multi-node ranks share it; see the module docstring)."""
     hf_image = features.hf_download_image or engine_image(view, features)
     s3_image = features.s3_download_image
+    secret = view.model.credentials.secret_name if view.model.credentials else None
     model = model_source(
-        view.model.uri, view.model.revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image
-    )
+        view.model.uri, view.model.revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image,
+        secret_name=secret,
+    )  # fmt: skip
     sources = [model]
     draft_path = None
     speculative = view.engine.speculative
     if speculative is not None and speculative.draft_model is not None:
         src = model_source(
             speculative.draft_model, None, field="spec.engine.speculative.draftModel", hf_image=hf_image,
-            s3_image=s3_image, name="draft",
+            s3_image=s3_image, name="draft", secret_name=secret,
         )  # fmt: skip
         sources.append(src)
         draft_path = src.path
@@ -279,12 +281,6 @@ def pod_template(
 
 def contains_toleration(have: dict[str, Any], want: dict[str, Any]) -> bool:
     return all(have.get(k) == v for k, v in want.items())
-
-
-def cache_volume_source(view: ServiceView) -> dict[str, Any]:
-    if view.model_cache is not None:
-        return {"persistentVolumeClaim": {"claimName": view.model_cache.claim_name}}
-    return {"emptyDir": {}}
 
 
 def pool_workloads(

@@ -94,12 +94,13 @@ def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool
 
 
 def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] | None:
-    """The shared model-cache claim, when the spec asks the operator to create it (modelCache.size)."""
-    cache = view.model_cache
+    """The shared model-cache claim, when the spec asks the operator to create it (its size is set)."""
+    cache = view.model_cache.persistent_volume_claim if view.model_cache else None
     if cache is None or cache.size is None:
         return None
     spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteMany"],  # every replica of every pool reads (and fills) it
+        # Default ReadWriteMany: every replica of every pool, on any node, reads (and fills) it.
+        "accessModes": list(cache.access_modes or ["ReadWriteMany"]),
         "resources": {"requests": {"storage": canonical_quantity(cache.size)}},
     }
     if cache.storage_class_name:

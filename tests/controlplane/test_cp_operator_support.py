@@ -206,8 +206,8 @@ def restricted_namespace(cluster, name: str) -> None:
 
 
 def claims_in(spec: dict[str, Any]) -> list[str]:
-    cache = spec.get("modelCache") or {}
-    return [cache["claimName"]] if cache.get("size") else []
+    claim = (spec.get("modelCache") or {}).get("persistentVolumeClaim") or {}
+    return [claim["claimName"]] if claim.get("size") else []
 
 
 def bind_claims(cluster, namespace: str, claims: list[str]) -> None:

@@ -82,12 +82,14 @@ def test_wire_names_are_exactly_the_issues() -> None:
     spec = _disaggregated(
         engine={"maxModelLen": 64, "maxNumBatchedTokens": 512, "speculative": {"method": "ngram"}},
         pod={"serviceAccountName": "sa", "priorityClassName": "high", "nodeSelector": {"a": "b"}},
-        modelCache={"claimName": "c", "size": "10Gi", "storageClassName": "fast"},
+        modelCache={"persistentVolumeClaim": {"claimName": "c", "size": "10Gi", "storageClassName": "fast"}},
     )
     wire = spec.to_wire()
     assert wire["engine"]["speculative"] == {"method": "ngram", "numSpeculativeTokens": 4}
     assert set(wire["pod"]) == {"nodeSelector", "tolerations", "annotations", "serviceAccountName", "priorityClassName"}
-    assert wire["modelCache"] == {"claimName": "c", "size": "10Gi", "storageClassName": "fast"}
+    assert wire["modelCache"] == {
+        "persistentVolumeClaim": {"claimName": "c", "size": "10Gi", "storageClassName": "fast"}
+    }
     assert wire["resources"] == {"gpusPerReplica": 2, "gpuProduct": "H100", "cpu": "8", "memory": "64Gi"}
 
 

@@ -158,9 +158,40 @@ INVALID_CASES: tuple[Case, ...] = (
     ),
     Case(
         "storage-class-without-size",
-        _set("spec.modelCache", {"claimName": "w", "storageClassName": "fast"}),
-        _rule("modelCache.storageClassName needs"),
+        _set("spec.modelCache", {"persistentVolumeClaim": {"claimName": "w", "storageClassName": "fast"}}),
+        _rule("modelCache.persistentVolumeClaim.storageClassName needs"),
         "rule",
+    ),
+    Case(
+        "access-modes-without-size",
+        _set("spec.modelCache", {"persistentVolumeClaim": {"claimName": "w", "accessModes": ["ReadWriteOnce"]}}),
+        _rule("modelCache.persistentVolumeClaim.accessModes needs"),
+        "rule",
+    ),
+    Case(
+        "cache-two-kinds",
+        _set("spec.modelCache", {"persistentVolumeClaim": {"claimName": "w"}, "emptyDir": {"sizeLimit": "1Gi"}}),
+        _rule("modelCache must set exactly one"),
+        "rule",
+    ),
+    Case("cache-no-kind", _set("spec.modelCache", {}), _rule("modelCache must set exactly one"), "rule"),
+    Case(
+        "cache-size-limit",
+        _set("spec.modelCache", {"emptyDir": {"sizeLimit": "lots"}}),
+        types.QUANTITY_MESSAGE,
+        "field",
+    ),
+    Case(
+        "credentials-on-pvc",
+        _both(_set("spec.model.uri", "pvc://weights/m"), _set("spec.model.credentials", {"secretName": "s"})),
+        _rule("model.credentials applies only"),
+        "rule",
+    ),
+    Case(
+        "credentials-secret-name",
+        _set("spec.model.credentials", {"secretName": "Not_A_Name"}),
+        "should match",
+        "field",
     ),
     Case(
         "ngram-with-draft-model",

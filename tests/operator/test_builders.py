@@ -117,7 +117,11 @@ CASES = [
         id="multi-node-lws-and-servicemonitor",
     ),
     pytest.param(
-        spec(UNIFIED, resources={"gpusPerReplica": 0}, modelCache={"claimName": "weights", "size": "10Gi"}),
+        spec(
+            UNIFIED,
+            resources={"gpusPerReplica": 0},
+            modelCache={"persistentVolumeClaim": {"claimName": "weights", "size": "10Gi"}},
+        ),
         ClusterFeatures(),
         COMMON
         | {
@@ -256,7 +260,7 @@ def test_replicas_by_pool_overrides_the_spec():
 @pytest.mark.parametrize(
     ("uri", "init_cmd", "model_path"),
     [
-        ("hf://org/model", ["hf"], "/models/hf/org/model"),
+        ("hf://org/model", ["tidepool", "download"], "/models/hf/org/model/main"),
         ("s3://bucket/prefix/model", ["aws"], "/models/s3/bucket/prefix/model"),
         ("pvc://weights/llama/8b", None, "/models/pvc/weights/llama/8b"),
     ],
@@ -327,4 +331,4 @@ def test_engine_args_parse_with_tidepool_serve(s):
         assert args.quantization == (None if quantization in (None, "none") else quantization)
         if s["engine"].get("speculative"):
             config = json.loads(args.speculative_config)
-            assert config["draft_model"] == "/models/hf/org/draft" and config["num_speculative_tokens"] == 4
+            assert config["draft_model"] == "/models/hf/org/draft/main" and config["num_speculative_tokens"] == 4

@@ -76,7 +76,7 @@ def test_builders_emit_what_the_api_server_stores() -> None:
         {
             "model": {"uri": "hf://org/m"},
             "resources": {"gpusPerReplica": 1, "cpu": "0.5", "memory": "1024Mi"},
-            "modelCache": {"claimName": "weights", "size": "5120Mi"},
+            "modelCache": {"persistentVolumeClaim": {"claimName": "weights", "size": "5120Mi"}},
         }
     )
     children = {(c["kind"], c["metadata"]["name"]): c for c in build_children("svc", "ns", spec)}
