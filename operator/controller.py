@@ -60,7 +60,7 @@ from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
 FEATURE_TTL_S = 300.0  # how often optional CRDs (LWS, ServiceMonitor) are looked up again
-BASE_KINDS = ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget")
+BASE_KINDS = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget")
 BASE_KINDS += ("PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod")
 Key = tuple[str, str]
 

@@ -6,7 +6,7 @@ give the same output, byte for byte once dumped with sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
-Service, ServiceAccount, Role and RoleBinding; the engine ConfigMap; the model-cache claim when
+Service, ServiceAccount, Role and RoleBinding; the model-cache claim when
 `modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists.
 `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
 """
@@ -23,7 +23,6 @@ from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, Clus
 from .engine import pool_workloads, topology
 from .network import (
     cache_claim,
-    engine_config_map,
     headless_service,
     pool_pdb,
     pool_service,
@@ -39,10 +38,9 @@ _BY_MODE = {mode: InferenceServiceSpec.model_construct(mode=mode) for mode in ge
 POOLS_BY_MODE: dict[str, tuple[str, ...]] = {mode: spec.pool_names() for mode, spec in _BY_MODE.items()}
 SCALED_POOL: dict[str, str] = {mode: spec.scaled_pool() for mode, spec in _BY_MODE.items()}
 
-# Apply order: what others reference first (config, RBAC), then Services, then workloads.
+# Apply order: what others reference first (claim, RBAC), then Services, then workloads.
 KIND_ORDER = (
     "PersistentVolumeClaim",
-    "ConfigMap",
     "ServiceAccount",
     "Role",
     "RoleBinding",
@@ -105,22 +103,15 @@ def build_children(
     view = ServiceView.from_spec(spec)
     replicas = desired_replicas(view, replicas_by_pool)
     children: list[dict[str, Any]] = []
-    args_by_pool: dict[str, list[str]] = {}
     for pool_name in view.pool_names:
         pool = view.pools[pool_name]
         topo = topology(view, features)
         workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, features)
-        if not workloads:  # a StatefulSet-group pool scaled to zero still needs its args recorded
-            probe = pool_workloads(view, pool, 1, name, namespace, features)
-            args_by_pool[pool_name] = _engine_args(probe[0])
-        else:
-            args_by_pool[pool_name] = _engine_args(workloads[0])
         children += workloads
         children.append(pool_service(name, namespace, pool_name, topo))
         if topo.workload == "StatefulSet":
             children.append(headless_service(name, namespace, pool_name))
         children.append(pool_pdb(name, namespace, pool_name))
-    children.append(engine_config_map(name, namespace, view, args_by_pool))
     claim = cache_claim(name, namespace, view)
     if claim:
         children.append(claim)
@@ -136,9 +127,3 @@ def build_children(
                 ref["controller"] = False  # a shared cache may be owned by several InferenceServices
             child["metadata"]["ownerReferences"] = [ref]
     return sorted(children, key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
-
-
-def _engine_args(workload: dict[str, Any]) -> list[str]:
-    spec = workload["spec"]
-    template = spec["leaderWorkerTemplate"]["workerTemplate"] if "leaderWorkerTemplate" in spec else spec["template"]
-    return list(template["spec"]["containers"][0]["args"])

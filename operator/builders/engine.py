@@ -59,7 +59,6 @@ PRESTOP_SLEEP_S = 5  # the pod keeps serving while its endpoint leaves the Servi
 # Beyond preStop + drain: uvicorn's graceful shutdown (5 s) and the engine's teardown before the kubelet's SIGKILL.
 DRAIN_MARGIN_S = 15
 PROBE_PERIOD_S = 10
-CONFIG_DIR = "/etc/tidepool"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,12 +209,10 @@ def pod_template(
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": CACHE_VOLUME, "mountPath": MODELS_DIR},
-        {"name": "engine-config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "tmp", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and torch workers share memory here
-        {"name": "engine-config", "configMap": {"name": child_name(name, "engine-config")}},
         {"name": CACHE_VOLUME, **cache_volume_source(view)},
     ]
     for src in sources:

@@ -1,5 +1,5 @@
-"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices), the engine
-ConfigMap, PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
+"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices),
+PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
 
 Invariants: pure; a pool Service selects only pods that serve HTTP (rank 0 of a multi-node replica);
 the router discovers engines through the pool Services' EndpointSlices, so its Role grants exactly
@@ -8,7 +8,6 @@ get/list/watch on endpointslices in its own namespace.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from tidepool.operator.api.quantity import canonical_quantity
@@ -74,22 +73,6 @@ def pool_pdb(name: str, namespace: str, pool: str) -> dict[str, Any]:
         "kind": "PodDisruptionBudget",
         "metadata": metadata(child_name(name, pool), namespace, labels(name, pool, "engine")),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, pool)}},
-    }
-
-
-def engine_config_map(name: str, namespace: str, view: ServiceView, args_by_pool: dict[str, list[str]]) -> dict:
-    """The engine configuration as JSON (what each pool runs), mounted read-only at /etc/tidepool."""
-    config = {
-        "model": {"uri": view.model.uri, "revision": view.model.revision, "quantization": view.quantization},
-        "mode": view.mode,
-        "parallelism": {"tensor": view.parallelism.tensor, "pipeline": view.parallelism.pipeline},
-        "args": args_by_pool,
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": metadata(child_name(name, "engine-config"), namespace, labels(name, "config", "config")),
-        "data": {"engine.json": json.dumps(config, sort_keys=True, indent=2)},
     }
 
 

@@ -180,16 +180,14 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
     # Hand edits to fields the operator owns, and a deleted child, are reverted at once: their watch
     # events wake the operator (the resync is 10 minutes away).
     kubectl("scale", "deployment", deploy, "-n", ns, "--replicas=4")
-    kubectl(
-        "patch", "configmap", f"{name}-engine-config", "-n", ns, "--type=merge", "-p", '{"data":{"engine.json":"{}"}}'
-    )
+    kubectl("patch", "role", f"{name}-router", "-n", ns, "--type=merge", "-p", '{"rules":[]}')
     kubectl("delete", "poddisruptionbudget", deploy, "-n", ns)
 
     def reverted() -> bool:
         found = children(control_plane, ns, name)
         return (
             found[("Deployment", deploy)]["spec"]["replicas"] == 2
-            and found[("ConfigMap", f"{name}-engine-config")]["data"]["engine.json"] != "{}"
+            and found[("Role", f"{name}-router")].get("rules")
             and ("PodDisruptionBudget", deploy) in found
         )
 

@@ -65,7 +65,6 @@ def engine_container(workload: dict[str, Any]) -> dict[str, Any]:
 
 
 COMMON = {
-    ("ConfigMap", "svc-engine-config"),
     ("ServiceAccount", "svc-router"),
     ("Role", "svc-router"),
     ("RoleBinding", "svc-router"),

@@ -123,11 +123,11 @@ def test_hand_edits_are_reverted_by_the_next_event_or_resync():
     sync(ctrl)
     assert api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 2
     assert "Scaled" in [e["reason"] for e in api.events]
-    del api.objects[("ConfigMap", f"{NAME}-engine-config")]
-    api.store.delete({"kind": "ConfigMap", "metadata": {"namespace": NS, "name": f"{NAME}-engine-config",
+    del api.objects[("Role", f"{NAME}-router")]
+    api.store.delete({"kind": "Role", "metadata": {"namespace": NS, "name": f"{NAME}-router",
                       "labels": {"tidepool.dev/inferenceservice": NAME}}})  # fmt: skip
     sync(ctrl)
-    assert ("ConfigMap", f"{NAME}-engine-config") in api.objects
+    assert ("Role", f"{NAME}-router") in api.objects
 
 
 def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
@@ -135,8 +135,8 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     as verified: the next (event-triggered, not full) reconcile compares and repairs it."""
     api, ctrl = setup()
     sync(ctrl)
-    config_key, pdb_key = ("ConfigMap", f"{NAME}-engine-config"), ("PodDisruptionBudget", f"{NAME}-unified")
-    wanted = copy.deepcopy(api.objects[config_key]["data"])
+    role_key, pdb_key = ("Role", f"{NAME}-router"), ("PodDisruptionBudget", f"{NAME}-unified")
+    wanted = copy.deepcopy(api.objects[role_key]["rules"])
     assert pdb_key in api.objects
     deploy = api.objects[("Deployment", f"{NAME}-unified")]
     deploy["spec"]["replicas"] = 4  # the drift this reconcile repairs...
@@ -149,10 +149,10 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     async def apply_racing_a_hand_edit(obj: dict[str, Any], force: bool = True) -> dict[str, Any]:
         if not edited:  # ...while two more edits arrive through the watch
             edited.append(True)
-            config = api.objects[config_key]
-            config["data"] = {"engine.json": "{}"}
-            api._bump(config)
-            api.store.put(copy.deepcopy(config))
+            role = api.objects[role_key]
+            role["rules"] = []
+            api._bump(role)
+            api.store.put(copy.deepcopy(role))
             pdb = api.objects.pop(pdb_key)
             api.store.delete({"kind": pdb["kind"], "metadata": pdb["metadata"]})
         return await real_apply(obj, force)
@@ -162,7 +162,7 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     assert edited and api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 2
     api.apply = real_apply  # type: ignore[method-assign]
     sync(ctrl)  # the edits' events queued the key again: not a full resync
-    assert api.objects[config_key]["data"] == wanted
+    assert api.objects[role_key]["rules"] == wanted
     assert pdb_key in api.objects
 
 
