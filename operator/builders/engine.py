@@ -51,6 +51,7 @@ from .common import (
     sorted_env,
     spec_hash,
 )
+from .overrides import apply_engine_pod, container_resources, pool_pod
 from .sources import CACHE_VOLUME, MODELS_DIR, model_source
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -157,7 +158,8 @@ def rank_env(service: str, namespace: str, pool: str, topo: Topology) -> dict[st
 
 
 def _resources(pool: PoolView, topo: Topology) -> dict[str, Any]:
-    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form."""
+    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form;
+    pod.resources then replaces entries per resource name (overrides.container_resources)."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if topo.gpus_per_pod:
@@ -180,7 +182,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def pod_template(
     view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
 ) -> dict[str, Any]:
-    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring)."""
+    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring). The pool's pod
+    overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
+    pod = pool_pod(view, pool.name)
     hf_image = features.hf_download_image or engine_image(view, features)
     s3_image = features.s3_download_image
     model = model_source(
@@ -227,7 +231,7 @@ def pod_template(
         "args": args + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
-        "resources": _resources(pool, topo),
+        "resources": container_resources(_resources(pool, topo), pod.resources),
         # Every rank answers these: node 0's API server, or a worker node's health endpoint (ranks > 0).
         "startupProbe": _probe("/health", PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
@@ -236,8 +240,8 @@ def pod_template(
         "securityContext": container_security_context(),
         "volumeMounts": sorted(mounts, key=lambda m: m["mountPath"]),
     }
-    tolerations = [t.to_wire() for t in view.pod.tolerations]
-    node_selector = dict(view.pod.node_selector)
+    tolerations = [t.to_wire() for t in pod.tolerations]
+    node_selector = dict(pod.node_selector)
     if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
         gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         if not any(contains_toleration(t, gpu_taint) for t in tolerations):
@@ -248,7 +252,7 @@ def pod_template(
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(ENGINE_PORT),
         "prometheus.io/path": "/metrics",
-        **view.pod.annotations,
+        **pod.annotations,
     }
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never call the API server
@@ -262,10 +266,11 @@ def pod_template(
         spec["tolerations"] = tolerations
     if node_selector:
         spec["nodeSelector"] = dict(sorted(node_selector.items()))
-    if view.pod.service_account_name:
-        spec["serviceAccountName"] = view.pod.service_account_name
-    if view.pod.priority_class_name:
-        spec["priorityClassName"] = view.pod.priority_class_name
+    if pod.service_account_name:
+        spec["serviceAccountName"] = pod.service_account_name
+    if pod.priority_class_name:
+        spec["priorityClassName"] = pod.priority_class_name
+    apply_engine_pod(spec, container, pod, selector_labels(name, pool.name))
     if topo.workload == "StatefulSet":
         spec["subdomain"] = headless_name(name, pool.name)
     if not spec["initContainers"]:
