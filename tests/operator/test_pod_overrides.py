@@ -4,9 +4,11 @@ what the router takes, what is refused, and the restricted security contexts sur
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 from test_builders import DISAGG, MULTI_NODE, UNIFIED, build, by_key, pod_specs, spec
 
@@ -270,3 +272,19 @@ def test_allowed_volume_sources_are_exactly_the_restricted_profiles() -> None:
         "csi",
         "ephemeral",
     }
+
+
+def test_the_sample_renders_what_its_comments_say() -> None:
+    body = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "examples/inferenceservice-pod-overrides.yaml").read_text()
+    )
+    model = InferenceServiceSpec.model_validate(body["spec"])
+    assert validate_spec(model, body["metadata"]["name"]) == []
+    pods = {t["metadata"]["labels"]["tidepool.dev/pool"]: t["spec"] for t in engine_pods(model.to_wire())}
+    assert pods["decode"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "gpu-large"
+    assert "node.kubernetes.io/instance-type" not in pods["prefill"].get("nodeSelector", {})
+    assert pods["decode"]["containers"][0]["resources"]["limits"]["cpu"] == "8"
+    assert pods["prefill"]["containers"][0]["resources"]["limits"]["cpu"] == "4"
+    for pod in pods.values():
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+        assert "/etc/ssl/corporate" in {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
