@@ -1,7 +1,7 @@
 """`spec.pod` and `pools.<name>.pod`: what an admin may change on the engine pods, and the router's share of it.
 
 Shapes only, like spec.py (the Kubernetes types are in kube.py). What an override may never change is
-named here once and refused by rules.py (CEL at admission, the same check in Python): the operator's
+named here once and refused by pod_rules.py (CEL at admission, the same check in Python): the operator's
 own env names (`RESERVED_ENV_NAMES`, `RESERVED_ENV_PREFIXES`), volume names (`RESERVED_VOLUME_NAMES`,
 `RESERVED_VOLUME_NAME_RE`) and mount paths (`RESERVED_MOUNT_PATHS`, at or under), hostPath volumes and
 host namespaces. The Pod Security "restricted" contexts are not fields at all: the builders own them.
@@ -13,7 +13,8 @@ Where each field lands (builders/overrides.py applies them; the router takes onl
   engine's nodeSelector, affinity, topology spread and runtimeClassName do not follow it.
 A pool's `pod` is merged over spec.pod: maps merge (the pool's key wins), lists append, except lists of
 named entries (env, volumes, imagePullSecrets by name; volumeMounts by mountPath), where the pool's
-entry replaces the global one of the same key in place; scalars replace.
+entry replaces the global one of the same key in place; scalars replace; affinity merges per kind
+(nodeAffinity, podAffinity, podAntiAffinity) and resources per resource name.
 """
 
 from __future__ import annotations

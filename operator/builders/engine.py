@@ -16,9 +16,11 @@ rendezvous again through the new rank 0, so the group converges, but later and l
 with LWS (install LWS for multi-node pools).
 
 Invariants: pure; args are rendered from the engine's flag table (serve_flags), sorted, user
-`extraArgs` last in their order, and only flags the table marks managed; env sorted by name;
-quantities canonical; the pod template carries `tidepool.dev/spec-hash`, a digest of the template
-itself, so any change to what the pods run changes the hash and rolls the pool.
+`extraArgs` last in their order, and only flags the table marks managed; the operator's env sorted by
+name, then the pool's pod.env in its own order; quantities canonical; pod overrides applied by
+overrides.py, never over the security contexts or the operator's env, volumes and mounts; the pod
+template carries `tidepool.dev/spec-hash`, a digest of the template itself, so any change to what the
+pods run changes the hash and rolls the pool.
 """
 
 from __future__ import annotations

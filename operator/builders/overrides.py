@@ -36,10 +36,19 @@ KEYED_LISTS: dict[str, str] = {
 }
 
 
+def _prune(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _prune(v) for k, v in node.items() if v is not False and v != ""}
+    if isinstance(node, list):
+        return [_prune(v) for v in node]
+    return node
+
+
 def wire(model: BaseModel) -> dict[str, Any]:
-    """A Kubernetes-shaped model as the API server stores it: unset fields and empty lists/maps left out (so
-    what the operator applies and what it reads back compare equal); an empty volume source stays `{}`."""
-    return model.model_dump(by_alias=True, exclude_defaults=True, mode="json")
+    """A Kubernetes-shaped model as the API server stores it, so that what the operator applies and what it
+    reads back compare equal: unset fields, empty lists and maps, `false` and `""` left out (Kubernetes
+    omits them: each means the same as unset); an empty volume source stays `{}`."""
+    return _prune(model.model_dump(by_alias=True, exclude_defaults=True, mode="json"))
 
 
 def _merge_keyed(base: list[Any], over: list[Any], key: str) -> list[Any]:

@@ -288,3 +288,18 @@ def test_the_sample_renders_what_its_comments_say() -> None:
     for pod in pods.values():
         assert pod["imagePullSecrets"] == [{"name": "regcred"}]
         assert "/etc/ssl/corporate" in {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+
+
+def test_rendered_overrides_leave_out_what_the_api_server_omits() -> None:
+    """false, "" and empty lists are dropped by the API server; rendering them would make every reconcile
+    see a difference and write again."""
+    pod = {
+        "env": [{"name": "EMPTY", "value": ""}],
+        "volumes": [{"name": "d", "persistentVolumeClaim": {"claimName": "c", "readOnly": False}}],
+        "volumeMounts": [{"name": "d", "mountPath": "/d", "readOnly": False}],
+    }
+    (template,) = engine_pods(spec(UNIFIED, pod=pod))
+    engine = template["spec"]["containers"][0]
+    assert {"name": "EMPTY"} in engine["env"]
+    assert {"name": "d", "mountPath": "/d"} in engine["volumeMounts"]
+    assert {"name": "d", "persistentVolumeClaim": {"claimName": "c"}} in template["spec"]["volumes"]
