@@ -17,6 +17,7 @@ from test_cp_operator_support import (
     NodeLeaseKeeper,
     OperatorProcess,
     bind_claims,
+    children,
     claims_in,
     custom_api,
     get_isvc,
@@ -31,7 +32,9 @@ from test_cp_operator_support import (
 )
 
 from tidepool.operator.api import GROUP, PLURAL, VERSION, InferenceServiceSpec, validate_spec
+from tidepool.operator.builders import ServiceView, build_children
 from tidepool.operator.builders.common import container_security_context, pod_security_context
+from tidepool.operator.reconcile import contains
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
@@ -139,6 +142,15 @@ def test_overrides_land_in_pods_admitted_by_a_restricted_namespace(control_plane
     bind_claims(control_plane, ns, claims_in(obj["spec"]))
     control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
     wait_until(lambda: is_ready(get_isvc(control_plane, ns, "overrides")), 180, "overrides Ready")
+
+    # What the operator applied reads back equal to what the builders render: no write on every reconcile.
+    desired = {
+        (c["kind"], c["metadata"]["name"]): c
+        for c in build_children("overrides", ns, ServiceView.from_spec(obj["spec"]))
+    }
+    found = children(control_plane, ns, "overrides")
+    for key in (("Deployment", "overrides-unified"), ("Deployment", "overrides-router")):
+        assert contains(found[key], desired[key]), key
 
     engines = pods(control_plane, ns, "tidepool.dev/inferenceservice=overrides,tidepool.dev/pool=unified")
     assert engines and all(pod_is_ready(p) for p in engines)
