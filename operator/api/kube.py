@@ -1,9 +1,9 @@
-"""Kubernetes core shapes that `spec.pod` copies onto pods: env, volumes, mounts, affinity, topology spread.
+"""Kubernetes core shapes that `spec.pod` copies onto pods: env, volumes, mounts (scheduling.py: the rest).
 
 Each model is the Kubernetes type of the same name, with the wire names Kubernetes uses, cut down to
 what an override needs and what Pod Security "restricted" allows. Every string, list and map is bounded
 (the API server's CEL cost estimator needs it). Shapes only: which values are refused (hostPath, the
-operator's own env names, mount paths and volume names) is said by the rules in rules.py, next to their
+operator's own env names, mount paths and volume names) is said by the rules in pod_rules.py, next to their
 CEL, so that a refused field is kept in the schema and refused with a message, never pruned silently.
 """
 
@@ -28,7 +28,7 @@ Labels = dict[str, LabelValue]
 Size = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=QUANTITY_RE.pattern)]
 
 
-def _labels(description: str) -> Any:
+def labels_field(description: str) -> Any:
     return Field(default_factory=dict, max_length=32, description=description)
 
 
@@ -221,7 +221,7 @@ class CsiVolume(ApiModel):
 class ClaimMetadata(ApiModel):
     """Labels and annotations of a generic ephemeral volume's claim."""
 
-    labels: Labels = _labels("Claim labels.")
+    labels: Labels = labels_field("Claim labels.")
     annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] = Field(
         default_factory=dict, max_length=32, description="Claim annotations."
     )
@@ -301,118 +301,3 @@ class VolumeMount(ApiModel):
     )
     sub_path: RelPath | None = Field(default=None, description="Mount this sub-directory of the volume.")
     read_only: bool | None = Field(default=None, description="Mount read-only.")
-
-
-# ---- scheduling -----------------------------------------------------------------------------------------
-
-Values = list[Annotated[str, StringConstraints(max_length=253)]]
-
-
-class LabelSelectorRequirement(ApiModel):
-    """key operator values."""
-
-    key: Key = Field(description="Label key.")
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="In, NotIn, Exists, DoesNotExist.")
-    values: Values = Field(default_factory=list, max_length=32, description="Values (In, NotIn).")
-
-
-class LabelSelector(ApiModel):
-    """A Kubernetes label selector."""
-
-    match_labels: Labels = _labels("Labels that must match.")
-    match_expressions: list[LabelSelectorRequirement] = Field(
-        default_factory=list, max_length=8, description="Expressions that must all match."
-    )
-
-
-class NodeSelectorRequirement(ApiModel):
-    """key operator values, on node labels or fields."""
-
-    key: Key = Field(description="Node label (or field) key.")
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(description="Operator.")
-    values: Values = Field(default_factory=list, max_length=32, description="Values.")
-
-
-class NodeSelectorTerm(ApiModel):
-    """Requirements that must all match."""
-
-    match_expressions: list[NodeSelectorRequirement] = Field(
-        default_factory=list, max_length=8, description="On node labels."
-    )
-    match_fields: list[NodeSelectorRequirement] = Field(
-        default_factory=list, max_length=4, description="On node fields."
-    )
-
-
-class NodeSelector(ApiModel):
-    """Terms of which one must match."""
-
-    node_selector_terms: list[NodeSelectorTerm] = Field(max_length=8, description="ORed terms.")
-
-
-class PreferredSchedulingTerm(ApiModel):
-    """A weighted preference for nodes."""
-
-    weight: int = Field(ge=1, le=100, description="1-100.")
-    preference: NodeSelectorTerm = Field(description="The nodes preferred.")
-
-
-class NodeAffinity(ApiModel):
-    """Which nodes the pods may and prefer to run on."""
-
-    required_during_scheduling_ignored_during_execution: NodeSelector | None = Field(
-        default=None, description="Hard requirement."
-    )
-    preferred_during_scheduling_ignored_during_execution: list[PreferredSchedulingTerm] = Field(
-        default_factory=list, max_length=8, description="Soft preferences."
-    )
-
-
-class PodAffinityTerm(ApiModel):
-    """Pods (selected by labels) that must or must not share a topology domain with these pods."""
-
-    label_selector: LabelSelector | None = Field(default=None, description="The other pods.")
-    namespace_selector: LabelSelector | None = Field(default=None, description="Namespaces of the other pods.")
-    namespaces: list[DnsLabel] = Field(default_factory=list, max_length=16, description="Namespaces.")
-    topology_key: Key = Field(description="Node label that defines the domain (e.g. kubernetes.io/hostname).")
-    match_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys matched by value.")
-    mismatch_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys mismatched.")
-
-
-class WeightedPodAffinityTerm(ApiModel):
-    """A weighted pod (anti-)affinity preference."""
-
-    weight: int = Field(ge=1, le=100, description="1-100.")
-    pod_affinity_term: PodAffinityTerm = Field(description="The term.")
-
-
-class PodAffinity(ApiModel):
-    """Pod affinity or anti-affinity."""
-
-    required_during_scheduling_ignored_during_execution: list[PodAffinityTerm] = Field(
-        default_factory=list, max_length=8, description="Hard terms."
-    )
-    preferred_during_scheduling_ignored_during_execution: list[WeightedPodAffinityTerm] = Field(
-        default_factory=list, max_length=8, description="Soft terms."
-    )
-
-
-class Affinity(ApiModel):
-    """Kubernetes pod affinity."""
-
-    node_affinity: NodeAffinity | None = Field(default=None, description="Node affinity.")
-    pod_affinity: PodAffinity | None = Field(default=None, description="Pod affinity.")
-    pod_anti_affinity: PodAffinity | None = Field(default=None, description="Pod anti-affinity.")
-
-
-class TopologySpreadConstraint(ApiModel):
-    """Spread the pods across a topology; labelSelector unset selects the pods of the same pool."""
-
-    max_skew: int = Field(ge=1, le=10_000, description="Largest allowed difference between domains.")
-    topology_key: Key = Field(description="Node label that defines the domains (e.g. topology.kubernetes.io/zone).")
-    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(description="Hard or soft.")
-    label_selector: LabelSelector | None = Field(default=None, description="Pods counted; unset: this pool's pods.")
-    min_domains: int | None = Field(default=None, ge=1, le=10_000, description="Least eligible domains.")
-    node_affinity_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
-    node_taints_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
-    match_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys matched by value.")

@@ -25,15 +25,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints
 
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.kube import (
-    Affinity,
-    EnvFromSource,
-    EnvVar,
-    LocalObjectReference,
-    TopologySpreadConstraint,
-    Volume,
-    VolumeMount,
-)
+from tidepool.operator.api.kube import EnvFromSource, EnvVar, LocalObjectReference, Volume, VolumeMount
+from tidepool.operator.api.scheduling import Affinity, TopologySpreadConstraint
 from tidepool.operator.api.types import DnsSubdomain, Quantity
 
 # Env the operator sets on the engine container (HOME, HF_HOME, the StatefulSet ranks' TIDEPOOL_*) or that

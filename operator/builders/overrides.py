@@ -22,9 +22,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tidepool.operator.api.kube import Affinity
 from tidepool.operator.api.pod import ContainerResources, PodOverrides
 from tidepool.operator.api.quantity import canonical_quantity, quantity_value
+from tidepool.operator.api.scheduling import Affinity
 from tidepool.operator.api.view import ServiceView, SpecError
 
 # Lists of named entries: merged by this key (snake_case attribute), the rest append.
