@@ -3,12 +3,14 @@ what the router takes, what is refused, and the restricted security contexts sur
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from fake_api import NAME, NS, SPEC, FakeApi
 from pydantic import ValidationError
 from test_builders import DISAGG, MULTI_NODE, UNIFIED, build, by_key, pod_specs, spec
 
@@ -17,6 +19,7 @@ from tidepool.operator.api import pod as api_pod
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.builders.common import container_security_context, pod_security_context
 from tidepool.operator.builders.overrides import merge_pod
+from tidepool.operator.controller import Controller, ControllerOptions
 
 SECRET_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
 POD = {
@@ -303,3 +306,17 @@ def test_rendered_overrides_leave_out_what_the_api_server_omits() -> None:
     assert {"name": "EMPTY"} in engine["env"]
     assert {"name": "d", "mountPath": "/d"} in engine["volumeMounts"]
     assert {"name": "d", "persistentVolumeClaim": {"claimName": "c"}} in template["spec"]["volumes"]
+
+
+def test_what_cel_cannot_see_is_refused_by_the_operator_with_a_condition() -> None:
+    """A request above its limit only exists once spec.resources and pod.resources are merged: the operator
+    refuses the spec (Degraded, InvalidSpec, the message saying what to change) and applies nothing."""
+    api = FakeApi()
+    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
+    api.store = ctrl.store
+    api.put_service({**SPEC, "pod": {"resources": {"limits": {"memory": "512Mi"}}}})  # requests 1Gi
+    asyncio.run(ctrl.sync((NS, NAME), False))
+    assert api.calls["apply"] == 0
+    degraded = api.condition("Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "memory request 1Gi exceeds its limit 512Mi" in degraded["message"]
