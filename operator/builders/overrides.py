@@ -135,7 +135,7 @@ def apply_engine_pod(spec: dict[str, Any], container: dict[str, Any], pod: PodOv
     if pod.env:  # after the operator's (sorted) env, in the user's order: $(VAR) may name an earlier entry
         container["env"] = [*container.get("env", []), *(wire(e) for e in pod.env)]
     if pod.env_from:
-        container["envFrom"] = [wire(e) for e in pod.env_from]
+        container["envFrom"] = [*container.get("envFrom", []), *(wire(e) for e in pod.env_from)]
     if pod.volume_mounts:
         mounts = [*container.get("volumeMounts", []), *(wire(m) for m in pod.volume_mounts)]
         container["volumeMounts"] = sorted(mounts, key=lambda m: m["mountPath"])
@@ -143,7 +143,8 @@ def apply_engine_pod(spec: dict[str, Any], container: dict[str, Any], pod: PodOv
         volumes = [*spec.get("volumes", []), *(wire(v) for v in pod.volumes)]
         spec["volumes"] = sorted(volumes, key=lambda v: v["name"])
     if pod.image_pull_secrets:
-        spec["imagePullSecrets"] = [wire(s) for s in pod.image_pull_secrets]
+        have = spec.get("imagePullSecrets", [])  # the builders' own (if any) first, no name twice
+        spec["imagePullSecrets"] = have + [wire(s) for s in pod.image_pull_secrets if wire(s) not in have]
     if pod.runtime_class_name:
         spec["runtimeClassName"] = pod.runtime_class_name
     if pod.affinity is not None and wire(pod.affinity):
