@@ -1,17 +1,68 @@
-"""`spec.pod`: settings copied onto the engine and router pods (scheduling, identity, annotations).
+"""`spec.pod` and `pools.<name>.pod`: what an admin may change on the engine pods, and the router's share of it.
 
-Shapes only, like spec.py; what the builders may never let an override change (the restricted Pod
-Security Standard's fields) is enforced where the override is applied.
+Shapes only, like spec.py (the Kubernetes types are in kube.py). What an override may never change is
+named here once and refused by pod_rules.py (CEL at admission, the same check in Python): the operator's
+own env names (`RESERVED_ENV_NAMES`, `RESERVED_ENV_PREFIXES`), volume names (`RESERVED_VOLUME_NAMES`,
+`RESERVED_VOLUME_NAME_RE`) and mount paths (`RESERVED_MOUNT_PATHS`, at or under), hostPath volumes and
+host namespaces. The Pod Security "restricted" contexts are not fields at all: the builders own them.
+
+Where each field lands (builders/overrides.py applies them; the router takes only what is listed):
+- engine pods: every field; env, envFrom, volumeMounts and resources on the engine container.
+- router pod: tolerations, priorityClassName, imagePullSecrets from spec.pod, plus router.nodeSelector,
+  router.tolerations (after spec.pod's) and router.resources. The router needs no GPU node, so the
+  engine's nodeSelector, affinity, topology spread and runtimeClassName do not follow it.
+A pool's `pod` is merged over spec.pod: maps merge (the pool's key wins), lists append, except lists of
+named entries (env, volumes, imagePullSecrets by name; volumeMounts by mountPath), where the pool's
+entry replaces the global one of the same key in place; scalars replace; affinity merges per kind
+(nodeAffinity, podAffinity, podAntiAffinity) and resources per resource name.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.types import DnsSubdomain
+from tidepool.operator.api.kube import EnvFromSource, EnvVar, LocalObjectReference, Volume, VolumeMount
+from tidepool.operator.api.scheduling import Affinity, TopologySpreadConstraint
+from tidepool.operator.api.types import DnsSubdomain, Quantity
+
+# Env the operator sets on the engine container (HOME, HF_HOME, the StatefulSet ranks' TIDEPOOL_*) or that
+# LeaderWorkerSet injects (LWS_*). NVIDIA_VISIBLE_DEVICES would hand the container GPUs the device plugin did
+# not allocate to it (the container toolkit reads it).
+RESERVED_ENV_NAMES: tuple[str, ...] = ("HOME", "HF_HOME", "NVIDIA_VISIBLE_DEVICES")
+RESERVED_ENV_PREFIXES: tuple[str, ...] = ("TIDEPOOL_", "LWS_")
+# Volumes of the engine pod (builders/engine.py, sources.py): scratch, shared memory, model cache; a
+# pvc:// model source's volume is "pvc-" + 10 hex digits.
+RESERVED_VOLUME_NAMES: tuple[str, ...] = ("tmp", "dshm", "model-cache")
+RESERVED_VOLUME_NAME_RE = r"^pvc-[0-9a-f]{10}$"
+# Paths the operator mounts into the engine container; an override may mount neither at nor under them.
+RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models")
+# Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
+RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
+HUGEPAGES_PREFIX = "hugepages-"
+NodeSelectorMap = dict[str, Annotated[str, StringConstraints(max_length=63)]]
+
+
+def reserved_env(name: str) -> bool:
+    """Whether an env name is the operator's own (refused in pod.env)."""
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
+def reserved_volume(name: str) -> bool:
+    """Whether a volume name is the operator's own (refused in pod.volumes)."""
+    return name in RESERVED_VOLUME_NAMES or re.match(RESERVED_VOLUME_NAME_RE, name) is not None
+
+
+def reserved_mount(path: str) -> bool:
+    """Whether a mount path is at or under one the operator mounts (refused in pod.volumeMounts)."""
+    return any(path == p or path.startswith(p + "/") for p in RESERVED_MOUNT_PATHS)
+
+
+def allowed_resource(name: str) -> bool:
+    return name in RESOURCE_NAMES or name.startswith(HUGEPAGES_PREFIX)
 
 
 class Toleration(ApiModel):
@@ -32,10 +83,24 @@ class Toleration(ApiModel):
     )
 
 
-class PodOverrides(ApiModel):
-    """Settings copied onto every engine and router pod."""
+ResourceList = dict[str, Quantity]
 
-    node_selector: dict[str, Annotated[str, StringConstraints(max_length=63)]] = Field(
+
+def _resource_list(description: str) -> Any:
+    return Field(default_factory=dict, max_length=8, description=description)
+
+
+class ContainerResources(ApiModel):
+    """Requests and limits of one container, per resource (cpu, memory, ephemeral-storage, hugepages-*)."""
+
+    requests: ResourceList = _resource_list("Requests by resource name; each replaces the operator's value.")
+    limits: ResourceList = _resource_list("Limits by resource name; each replaces the operator's value.")
+
+
+class PodOverrides(ApiModel):
+    """Settings copied onto the engine pods (and, as listed in the module docstring, the router pod)."""
+
+    node_selector: NodeSelectorMap = Field(
         default_factory=dict, max_length=32, description="Extra node selector labels."
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
@@ -46,3 +111,41 @@ class PodOverrides(ApiModel):
         default=None, description="ServiceAccount of the engine pods; unset uses the namespace default."
     )
     priority_class_name: DnsSubdomain | None = Field(default=None, description="PriorityClass of the engine pods.")
+    runtime_class_name: DnsSubdomain | None = Field(
+        default=None, description="RuntimeClass of the engine pods (e.g. nvidia)."
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="Secrets to pull the engine (and router) images with."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Env of the engine container; names the operator sets itself (HOME, HF_HOME, "
+        "NVIDIA_VISIBLE_DEVICES, TIDEPOOL_*, LWS_*) are refused.",
+    )
+    env_from: list[EnvFromSource] = Field(
+        default_factory=list, max_length=16, description="Secrets/ConfigMaps whose keys become env of the engine."
+    )
+    volumes: list[Volume] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Extra volumes (configMap, secret, emptyDir, persistentVolumeClaim, projected, downwardAPI, "
+        "csi, ephemeral: what Pod Security 'restricted' allows).",
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, max_length=16, description="Mounts of pod.volumes into the engine container."
+    )
+    affinity: Affinity | None = Field(default=None, description="Node and pod (anti-)affinity of the engine pods.")
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list, max_length=8, description="How the engine pods spread across nodes or zones."
+    )
+    resources: ContainerResources | None = Field(
+        default=None, description="Engine container requests/limits, replacing those from spec.resources per key."
+    )
+    host_network: bool | None = Field(default=None, description="Refused when true (Pod Security 'restricted').")
+    host_pid: bool | None = Field(
+        default=None, alias="hostPID", description="Refused when true (Pod Security 'restricted')."
+    )
+    host_ipc: bool | None = Field(
+        default=None, alias="hostIPC", description="Refused when true (Pod Security 'restricted')."
+    )

@@ -11,9 +11,6 @@ in `types.py`; bounds and enums live in the field definitions.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -21,6 +18,8 @@ from tidepool.engine.serve_flags import managed_spellings
 from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
+from tidepool.operator.api.pod_rules import POD_RULES
+from tidepool.operator.api.rule import Rule
 
 URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?)$"
 URI_MESSAGE = "must be hf://org/name, pvc://claim/path or s3://bucket/prefix"
@@ -37,23 +36,6 @@ EXTRA_ARG_RE = r"^--[a-z0-9][-a-z0-9]*(=.*)?$"
 MANAGED_FLAGS: tuple[str, ...] = tuple(flag.removeprefix("--") for flag in managed_spellings())
 MANAGED_FLAG_RE = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 MAX_NAME_LENGTH = 40
-
-
-@dataclass(frozen=True, slots=True)
-class Rule:
-    """One validation rule. `where` is the model class whose schema carries the CEL (`self` = that object)."""
-
-    where: type[BaseModel]
-    cel: str
-    message: str
-    check: Callable[[Any], bool]
-    field_path: str | None = None
-
-    def to_cel(self) -> dict[str, str]:
-        out = {"rule": self.cel, "message": self.message}
-        if self.field_path:
-            out["fieldPath"] = self.field_path
-        return out
 
 
 def _bounded(pool: s.PoolSpec | None, replicas: int) -> bool:
@@ -74,7 +56,7 @@ def _cel_bounded(pool: str) -> str:
     return f"(!has({p}) || (self.replicas >= {p}.minReplicas && self.replicas <= {p}.maxReplicas))"
 
 
-SPEC_RULES: tuple[Rule, ...] = (
+_CORE_RULES: tuple[Rule, ...] = (
     Rule(
         s.InferenceServiceSpec,
         "self.mode != 'unified' || (has(self.pools.unified) && !has(self.pools.prefill) && !has(self.pools.decode))",
@@ -282,6 +264,8 @@ SPEC_RULES: tuple[Rule, ...] = (
         ".accessModes",
     ),
 )
+
+SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES  # pod_rules.py: what a pod override may not do
 
 # Root-level rules (self = the whole object); CEL may read metadata.name there.
 NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"

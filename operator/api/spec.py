@@ -20,7 +20,7 @@ from pydantic import Field, StringConstraints
 from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.model import ModelCache, ModelSource
-from tidepool.operator.api.pod import PodOverrides
+from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, Toleration
 from tidepool.operator.api.types import IntOrPercent, Quantity
 
 POOL_UNIFIED = "unified"
@@ -186,6 +186,9 @@ class PoolSpec(ApiModel):
     min_replicas: ReplicaCount = Field(default=1, description="Lower bound for the autoscaler (0 needs scaleToZero).")
     max_replicas: ReplicaCount = Field(default=4, description="Upper bound for the autoscaler.")
     resources: ResourceOverrides | None = Field(default=None, description="Overrides of spec.resources for this pool.")
+    pod: PodOverrides | None = Field(
+        default=None, description="Merged over spec.pod for this pool (maps merge, lists append, scalars replace)."
+    )
 
 
 class Pools(ApiModel):
@@ -203,6 +206,15 @@ class RouterSpec(ApiModel):
         default=1, description="Router replicas; at least 1 in disaggregated mode and with scale-to-zero."
     )
     policy: RouterPolicy = Field(default="prefix-aware", description="How the router picks an engine replica.")
+    node_selector: NodeSelectorMap = Field(
+        default_factory=dict, max_length=32, description="Node selector of the router pods (spec.pod's is not used)."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Router tolerations, after spec.pod.tolerations."
+    )
+    resources: ContainerResources | None = Field(
+        default=None, description="Router container requests/limits, replacing the defaults per key."
+    )
 
 
 class Slo(ApiModel):

@@ -16,9 +16,11 @@ rendezvous again through the new rank 0, so the group converges, but later and l
 with LWS (install LWS for multi-node pools).
 
 Invariants: pure; args are rendered from the engine's flag table (serve_flags), sorted, user
-`extraArgs` last in their order, and only flags the table marks managed; env sorted by name;
-quantities canonical; the pod template carries `tidepool.dev/spec-hash`, a digest of the template
-itself, so any change to what the pods run changes the hash and rolls the pool.
+`extraArgs` last in their order, and only flags the table marks managed; the operator's env sorted by
+name, then the pool's pod.env in its own order; quantities canonical; pod overrides applied by
+overrides.py, never over the security contexts or the operator's env, volumes and mounts; the pod
+template carries `tidepool.dev/spec-hash`, a digest of the template itself, so any change to what the
+pods run changes the hash and rolls the pool.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .common import (
     sorted_env,
     spec_hash,
 )
+from .overrides import apply_engine_pod, container_resources, pool_pod
 from .sources import CACHE_VOLUME, MODELS_DIR, cache_volume_source, model_source
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
@@ -156,7 +159,8 @@ def rank_env(service: str, namespace: str, pool: str, topo: Topology) -> dict[st
 
 
 def _resources(pool: PoolView, topo: Topology) -> dict[str, Any]:
-    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form."""
+    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form;
+    pod.resources then replaces entries per resource name (overrides.container_resources)."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if topo.gpus_per_pod:
@@ -179,7 +183,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def pod_template(
     view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
 ) -> dict[str, Any]:
-    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring)."""
+    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring). The pool's pod
+    overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
+    pod = pool_pod(view, pool.name)
     hf_image = features.hf_download_image or engine_image(view, features)
     s3_image = features.s3_download_image
     secret = view.model.credentials.secret_name if view.model.credentials else None
@@ -226,7 +232,7 @@ def pod_template(
         "args": args + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
-        "resources": _resources(pool, topo),
+        "resources": container_resources(_resources(pool, topo), pod.resources),
         # Every rank answers these: node 0's API server, or a worker node's health endpoint (ranks > 0).
         "startupProbe": _probe("/health", PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
@@ -235,8 +241,8 @@ def pod_template(
         "securityContext": container_security_context(),
         "volumeMounts": sorted(mounts, key=lambda m: m["mountPath"]),
     }
-    tolerations = [t.to_wire() for t in view.pod.tolerations]
-    node_selector = dict(view.pod.node_selector)
+    tolerations = [t.to_wire() for t in pod.tolerations]
+    node_selector = dict(pod.node_selector)
     if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
         gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         if not any(contains_toleration(t, gpu_taint) for t in tolerations):
@@ -247,7 +253,7 @@ def pod_template(
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(ENGINE_PORT),
         "prometheus.io/path": "/metrics",
-        **view.pod.annotations,
+        **pod.annotations,
     }
     spec: dict[str, Any] = {
         "automountServiceAccountToken": False,  # engines never call the API server
@@ -261,10 +267,11 @@ def pod_template(
         spec["tolerations"] = tolerations
     if node_selector:
         spec["nodeSelector"] = dict(sorted(node_selector.items()))
-    if view.pod.service_account_name:
-        spec["serviceAccountName"] = view.pod.service_account_name
-    if view.pod.priority_class_name:
-        spec["priorityClassName"] = view.pod.priority_class_name
+    if pod.service_account_name:
+        spec["serviceAccountName"] = pod.service_account_name
+    if pod.priority_class_name:
+        spec["priorityClassName"] = pod.priority_class_name
+    apply_engine_pod(spec, container, pod, selector_labels(name, pool.name))
     if topo.workload == "StatefulSet":
         spec["subdomain"] = headless_name(name, pool.name)
     if not spec["initContainers"]:

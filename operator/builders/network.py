@@ -33,6 +33,9 @@ from .common import (
     spec_hash,
 )
 from .engine import LWS_WORKER_INDEX_LABEL, Topology, headless_name, termination_grace_s
+from .overrides import container_resources, wire
+
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def pool_service(name: str, namespace: str, pool: str, topo: Topology) -> dict[str, Any]:
@@ -136,7 +139,7 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         "args": flags_to_args(flags),
         "env": sorted_env({"HOME": "/tmp"}),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "resources": container_resources(ROUTER_RESOURCES, view.router.resources),
         "livenessProbe": probe,
         "readinessProbe": {**probe, "httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
         "securityContext": container_security_context(),
@@ -150,10 +153,16 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}],
     }
+    # What of spec.pod reaches the router is documented in api/pod.py; router.* adds the router's own.
     if view.pod.priority_class_name:
         spec["priorityClassName"] = view.pod.priority_class_name
-    if view.pod.tolerations:
-        spec["tolerations"] = [t.to_wire() for t in view.pod.tolerations]
+    tolerations = [*view.pod.tolerations, *view.router.tolerations]
+    if tolerations:
+        spec["tolerations"] = [t.to_wire() for t in tolerations]
+    if view.router.node_selector:
+        spec["nodeSelector"] = dict(sorted(view.router.node_selector.items()))
+    if view.pod.image_pull_secrets:
+        spec["imagePullSecrets"] = [wire(s) for s in view.pod.image_pull_secrets]
     template = {"metadata": {"labels": labels(name, ROUTER_POOL, "router")}, "spec": spec}
     template["metadata"]["labels"]["tidepool.dev/spec-hash"] = spec_hash(template)
     template["metadata"]["labels"] = dict(sorted(template["metadata"]["labels"].items()))

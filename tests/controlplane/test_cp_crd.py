@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from devcluster_addons import install_crds
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -55,8 +56,7 @@ cases = _load_cases()
 
 def install_crd(control_plane) -> None:
     """Apply the generated CRD (idempotent) and wait until it is Established."""
-    control_plane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    control_plane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    install_crds(control_plane, [CRD_FILE])
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from devcluster_addons import install_crds
 from kubernetes import client
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +45,7 @@ class OperatorIdentity:
 
 
 def install_crd(cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.tidepool.dev", "--timeout=60s")
+    install_crds(cluster, [CRD_FILE])  # polls: `kubectl wait` fails on a CRD that has no conditions yet
 
 
 def render_chart_rbac(cluster, release: str = "tidepool") -> list[dict[str, Any]]:

@@ -86,7 +86,19 @@ def test_wire_names_are_exactly_the_issues() -> None:
     )
     wire = spec.to_wire()
     assert wire["engine"]["speculative"] == {"method": "ngram", "numSpeculativeTokens": 4}
-    assert set(wire["pod"]) == {"nodeSelector", "tolerations", "annotations", "serviceAccountName", "priorityClassName"}
+    assert set(wire["pod"]) == {
+        "nodeSelector",
+        "tolerations",
+        "annotations",
+        "serviceAccountName",
+        "priorityClassName",
+        "imagePullSecrets",
+        "env",
+        "envFrom",
+        "volumes",
+        "volumeMounts",
+        "topologySpreadConstraints",
+    }  # lists and maps default to empty; unset scalars and objects are left out
     assert wire["modelCache"] == {
         "persistentVolumeClaim": {"claimName": "c", "size": "10Gi", "storageClassName": "fast"}
     }

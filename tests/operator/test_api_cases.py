@@ -221,6 +221,111 @@ INVALID_CASES: tuple[Case, ...] = (
         "rule",
         base="disaggregated",
     ),
+    # Pod overrides (pod_rules.py): what an override may never do, refused at admission with what to fix.
+    Case(
+        "env-operator-name",
+        _set("spec.pod.env", [{"name": "TIDEPOOL_NODE_RANK", "value": "3"}]),
+        _rule("pod.env must not set a variable the operator sets"),
+        "rule",
+    ),
+    Case(
+        "env-value-and-from",
+        _set("spec.pod.env", [{"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]),
+        _rule("a pod.env entry sets value or valueFrom"),
+        "rule",
+    ),
+    Case(
+        "env-two-sources",
+        _set(
+            "spec.pod.env",
+            [
+                {
+                    "name": "A",
+                    "valueFrom": {
+                        "fieldRef": {"fieldPath": "metadata.name"},
+                        "secretKeyRef": {"name": "s", "key": "k"},
+                    },
+                }
+            ],
+        ),
+        _rule("pod.env valueFrom needs exactly one"),
+        "rule",
+    ),
+    Case(
+        "env-from-two-sources",
+        _set("spec.pod.envFrom", [{"secretRef": {"name": "a"}, "configMapRef": {"name": "b"}}]),
+        _rule("pod.envFrom entries need exactly one"),
+        "rule",
+    ),
+    Case(
+        "pool-hostpath-volume",
+        _set("spec.pools.unified.pod", {"volumes": [{"name": "data", "hostPath": {"path": "/data"}}]}),
+        _rule("pod.volumes: hostPath volumes are refused"),
+        "rule",
+    ),
+    Case("volume-no-source", _set("spec.pod.volumes", [{"name": "data"}]), _rule("pod.volumes entries need"), "rule"),
+    # The API server prunes a source its schema does not know: the volume is left without one.
+    Case(
+        "nfs-volume",
+        _set("spec.pod.volumes", [{"name": "data", "nfs": {"server": "nfs.example.com", "path": "/"}}]),
+        _rule("pod.volumes entries need"),
+        "field",
+    ),
+    Case(
+        "volume-operator-name",
+        _set("spec.pod.volumes", [{"name": "model-cache", "emptyDir": {}}]),
+        _rule("pod.volumes must not use a volume name"),
+        "rule",
+    ),
+    Case(
+        "mount-relative",
+        _both(
+            _set("spec.pod.volumes", [{"name": "data", "emptyDir": {}}]),
+            _set("spec.pod.volumeMounts", [{"name": "data", "mountPath": "data"}]),
+        ),
+        _rule("pod.volumeMounts mountPath must be an absolute"),
+        "rule",
+    ),
+    Case(
+        "mount-under-models",
+        _both(
+            _set("spec.pod.volumes", [{"name": "data", "emptyDir": {}}]),
+            _set("spec.pod.volumeMounts", [{"name": "data", "mountPath": "/models/extra"}]),
+        ),
+        _rule("pod.volumeMounts must not mount at or under"),
+        "rule",
+    ),
+    Case(
+        "mount-unknown-volume",
+        _set("spec.pools.unified.pod", {"volumeMounts": [{"name": "nope", "mountPath": "/data"}]}),
+        _rule("every pod.volumeMounts name must be a volume"),
+        "rule",
+    ),
+    Case(
+        "duplicate-env",
+        _set("spec.pod.env", [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]),
+        _rule("pod.env names must be unique"),
+        "rule",
+    ),
+    Case(
+        "duplicate-volume",
+        _set("spec.pod.volumes", [{"name": "d", "emptyDir": {}}, {"name": "d", "secret": {"secretName": "s"}}]),
+        _rule("pod.volumes names and pod.volumeMounts mountPaths must be unique"),
+        "rule",
+    ),
+    Case(
+        "resources-gpu",
+        _set("spec.pod.resources", {"limits": {"nvidia.com/gpu": 2}}),
+        _rule("pod.resources and router.resources may set only"),
+        "rule",
+    ),
+    Case(
+        "router-resources-gpu",
+        _set("spec.router.resources", {"requests": {"nvidia.com/gpu": 1}}),
+        _rule("pod.resources and router.resources may set only"),
+        "rule",
+    ),
+    Case("host-network", _set("spec.pod.hostNetwork", True), _rule("pod.hostNetwork, hostPID and hostIPC"), "rule"),
     Case("cpu-not-quantity", _set("spec.resources.cpu", "four"), types.QUANTITY_MESSAGE, "field"),
     Case("surge-not-percent", _set("spec.rollout.maxSurge", "half"), types.INT_OR_PERCENT_MESSAGE, "field"),
     Case("quantization-enum", _set("spec.model.quantization", "fp8"), 'supported values: "none", "int8"', "field"),

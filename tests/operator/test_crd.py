@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from tidepool.operator import crdgen
-from tidepool.operator.api import SPEC_RULES
+from tidepool.operator.api import SPEC_RULES, InferenceServiceSpec, PodOverrides, PoolSpec
 
 REPO = Path(__file__).resolve().parents[2]
 COPIES = (REPO / "crds" / crdgen.CRD_FILENAME, REPO / "charts" / "tidepool" / "crds" / crdgen.CRD_FILENAME)
@@ -74,6 +75,12 @@ def test_schema_is_structural_and_bounded_for_cel() -> None:
     assert "x-kubernetes-preserve-unknown-fields" not in COPIES[0].read_text()
 
 
+def _occurrences(model: type[BaseModel], cls: type[BaseModel]) -> int:
+    """How many places of the schema tree under `model` have the class `cls` (each carries its rules)."""
+    nested = [m for field in model.model_fields.values() for m in crdgen._nested_models(field.annotation)]
+    return (model is cls) + sum(_occurrences(m, cls) for m in nested)
+
+
 def test_every_rule_is_in_the_crd_once() -> None:
     text = COPIES[0].read_text()
     crd_rules = [
@@ -83,9 +90,10 @@ def test_every_rule_is_in_the_crd_once() -> None:
     ]
     messages = [r["message"] for r in crd_rules]
     for rule in SPEC_RULES:
-        # PoolSpec's rules appear once per pool (unified, prefill, decode).
-        expected = 3 if rule.where.__name__ == "PoolSpec" else 1
-        assert messages.count(rule.message) == expected, rule.message
+        # Once per place the class is used: PoolSpec's once per pool, PodOverrides' in spec.pod and each pool's pod.
+        expected = _occurrences(InferenceServiceSpec, rule.where)
+        assert expected >= 1 and messages.count(rule.message) == expected, rule.message
+    assert _occurrences(InferenceServiceSpec, PoolSpec) == 3 and _occurrences(InferenceServiceSpec, PodOverrides) == 4
     assert "metadata.name must be at most" in text
 
 

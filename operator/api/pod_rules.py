@@ -1,0 +1,173 @@
+"""Validation rules of `spec.pod`, `pools.<name>.pod` and `router.resources`: what an override may never do.
+
+Same contract as rules.py (which appends these to SPEC_RULES): each CEL rule has its Python mirror and
+one message that says what to fix. The names and paths refused come from pod.py, never copied. Refused
+fields (hostPath, hostNetwork/hostPID/hostIPC) stay in the schema so that the API server refuses them
+with these messages instead of pruning them silently; an unknown volume source (nfs, iscsi, ...) is
+pruned, which leaves the volume without a source, and the exactly-one-source rule refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from tidepool.operator.api import kube as k
+from tidepool.operator.api import pod as p
+from tidepool.operator.api import spec as s
+from tidepool.operator.api.rule import Rule
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+def _cel_count(fields: list[str]) -> str:
+    return " + ".join(f"(has(self.{f}) ? 1 : 0)" for f in fields)
+
+
+def _count(obj: BaseModel, fields: list[str]) -> int:
+    return sum(getattr(obj, f) is not None for f in fields)
+
+
+def _wire(model: type[BaseModel], fields: tuple[str, ...]) -> list[str]:
+    return [model.model_fields[f].alias or f for f in fields]
+
+
+_ENV_SOURCES = ("secret_key_ref", "config_map_key_ref", "field_ref", "resource_field_ref")
+_ENV_FROM = ("secret_ref", "config_map_ref")
+_ALLOWED = ", ".join(_wire(k.Volume, k.VOLUME_SOURCES))
+_RESERVED_ENV = ", ".join((*p.RESERVED_ENV_NAMES, *(f"{x}*" for x in p.RESERVED_ENV_PREFIXES)))
+
+
+def _cel_resource_keys(field: str) -> str:
+    return f"self.{field}.all(r, r in {_cel_list(p.RESOURCE_NAMES)} || r.startsWith('{p.HUGEPAGES_PREFIX}'))"
+
+
+def _mounts_ok(x: s.InferenceServiceSpec) -> bool:
+    names = {v.name for v in x.pod.volumes}
+    pools = [x.pod] + [pool.pod for pool in (x.pools.unified, x.pools.prefill, x.pools.decode) if pool and pool.pod]
+    return all(mnt.name in names | {v.name for v in pod.volumes} for pod in pools for mnt in pod.volume_mounts)
+
+
+def _cel_pool_mounts(pool: str) -> str:
+    pod = f"self.pools.{pool}.pod"
+    return (
+        f"(!has(self.pools.{pool}) || !has({pod}) || {pod}.volumeMounts.all(m, "
+        f"{pod}.volumes.exists(v, v.name == m.name) || self.pod.volumes.exists(v, v.name == m.name)))"
+    )
+
+
+def _unique(items: list[Any], key: str) -> bool:
+    values = [getattr(i, key) for i in items]
+    return len(values) == len(set(values))
+
+
+POD_RULES: tuple[Rule, ...] = (
+    Rule(
+        k.EnvVar,
+        f"!(self.name in {_cel_list(p.RESERVED_ENV_NAMES)}) && "
+        + " && ".join(f"!self.name.startsWith('{x}')" for x in p.RESERVED_ENV_PREFIXES),
+        f"pod.env must not set a variable the operator sets itself ({_RESERVED_ENV}); use another name",
+        lambda e: not p.reserved_env(e.name),
+        ".name",
+    ),
+    Rule(
+        k.EnvVar,
+        "!(has(self.value) && has(self.valueFrom))",
+        "a pod.env entry sets value or valueFrom, not both",
+        lambda e: e.value is None or e.value_from is None,
+    ),
+    Rule(
+        k.EnvVarSource,
+        _cel_count(_wire(k.EnvVarSource, _ENV_SOURCES)) + " == 1",
+        "pod.env valueFrom needs exactly one of secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef",
+        lambda v: _count(v, list(_ENV_SOURCES)) == 1,
+    ),
+    Rule(
+        k.EnvFromSource,
+        _cel_count(_wire(k.EnvFromSource, _ENV_FROM)) + " == 1",
+        "pod.envFrom entries need exactly one of secretRef, configMapRef",
+        lambda v: _count(v, list(_ENV_FROM)) == 1,
+    ),
+    Rule(
+        k.Volume,
+        "!has(self.hostPath)",
+        "pod.volumes: hostPath volumes are refused (Pod Security 'restricted' forbids them); put the data on a "
+        "PersistentVolume and mount its claim with persistentVolumeClaim",
+        lambda v: v.host_path is None,
+        ".hostPath",
+    ),
+    Rule(
+        k.Volume,
+        _cel_count(_wire(k.Volume, k.VOLUME_SOURCES)) + " == 1",
+        f"pod.volumes entries need exactly one source of: {_ALLOWED} "
+        "(the sources Pod Security 'restricted' allows; others such as hostPath or nfs are refused)",
+        lambda v: _count(v, list(k.VOLUME_SOURCES)) == 1,
+    ),
+    Rule(
+        k.Volume,
+        f"!(self.name in {_cel_list(p.RESERVED_VOLUME_NAMES)}) && !self.name.matches('{p.RESERVED_VOLUME_NAME_RE}')",
+        "pod.volumes must not use a volume name the operator uses itself ("
+        + ", ".join(p.RESERVED_VOLUME_NAMES)
+        + ", pvc-<10 hex digits>)",
+        lambda v: not p.reserved_volume(v.name),
+        ".name",
+    ),
+    Rule(
+        k.VolumeMount,
+        "self.mountPath.startsWith('/')",
+        "pod.volumeMounts mountPath must be an absolute path",
+        lambda v: v.mount_path.startswith("/"),
+        ".mountPath",
+    ),
+    Rule(
+        k.VolumeMount,
+        f"!{_cel_list(p.RESERVED_MOUNT_PATHS)}.exists(p, self.mountPath == p || self.mountPath.startsWith(p + '/'))",
+        "pod.volumeMounts must not mount at or under a path the operator mounts ("
+        + ", ".join(p.RESERVED_MOUNT_PATHS)
+        + ")",
+        lambda v: not p.reserved_mount(v.mount_path),
+        ".mountPath",
+    ),
+    Rule(
+        p.ContainerResources,
+        _cel_resource_keys("requests") + " && " + _cel_resource_keys("limits"),
+        "pod.resources and router.resources may set only "
+        + ", ".join(p.RESOURCE_NAMES)
+        + f" and {p.HUGEPAGES_PREFIX}<size> (GPUs follow resources.gpusPerReplica)",
+        lambda r: all(p.allowed_resource(n) for n in (*r.requests, *r.limits)),
+    ),
+    Rule(
+        p.PodOverrides,
+        "!(has(self.hostNetwork) && self.hostNetwork) && !(has(self.hostPID) && self.hostPID) && "
+        "!(has(self.hostIPC) && self.hostIPC)",
+        "pod.hostNetwork, hostPID and hostIPC are refused (Pod Security 'restricted'); engines use the pod network",
+        lambda o: not (o.host_network or o.host_pid or o.host_ipc),
+    ),
+    Rule(
+        p.PodOverrides,
+        "self.env.all(e, self.env.exists_one(f, f.name == e.name))",
+        "pod.env names must be unique",
+        lambda o: _unique(o.env, "name"),
+        ".env",
+    ),
+    Rule(
+        p.PodOverrides,
+        "self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name)) && "
+        "self.volumeMounts.all(v, self.volumeMounts.exists_one(w, w.mountPath == v.mountPath))",
+        "pod.volumes names and pod.volumeMounts mountPaths must be unique",
+        lambda o: _unique(o.volumes, "name") and _unique(o.volume_mounts, "mount_path"),
+        ".volumes",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        "self.pod.volumeMounts.all(m, self.pod.volumes.exists(v, v.name == m.name)) && "
+        + " && ".join(_cel_pool_mounts(pool) for pool in s.POOL_NAMES),
+        "every pod.volumeMounts name must be a volume of the same pod.volumes "
+        "(a pool's pod.volumeMounts may also name one of spec.pod.volumes)",
+        _mounts_ok,
+        ".pod",
+    ),
+)

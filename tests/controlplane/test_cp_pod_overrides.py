@@ -1,0 +1,244 @@
+"""Pod overrides on the real control plane: the operator (as the chart's ServiceAccount) renders spec.pod,
+pools.<name>.pod and router.* into pods that a namespace enforcing Pod Security "restricted" admits and
+KWOK runs; overrides Pod Security forbids (a hostPath volume, host namespaces) or that would take over the
+operator's own env, volumes or mount paths are refused by the API server itself, with the message that says
+what to fix (the CRD's CEL, the same text `validate_spec` gives)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client
+from test_cp_operator_support import (
+    NodeLeaseKeeper,
+    OperatorProcess,
+    bind_claims,
+    children,
+    claims_in,
+    custom_api,
+    get_isvc,
+    install_crd,
+    is_ready,
+    load_example,
+    operator_identity,
+    pod_is_ready,
+    pods,
+    restricted_namespace,
+    wait_until,
+)
+
+from tidepool.operator.api import GROUP, PLURAL, VERSION, InferenceServiceSpec, validate_spec
+from tidepool.operator.builders import ServiceView, build_children
+from tidepool.operator.builders.common import container_security_context, pod_security_context
+from tidepool.operator.reconcile import contains
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
+
+RUNTIME_CLASS = "tidepool-test-overrides"
+POD = {
+    "env": [
+        {"name": "HTTPS_PROXY", "value": "http://proxy.example:3128"},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ],
+    "envFrom": [{"configMapRef": {"name": "engine-env"}}],
+    "volumes": [
+        {"name": "certs", "secret": {"secretName": "ca"}},
+        {"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}},
+        {
+            "name": "identity",
+            "projected": {
+                "sources": [
+                    {"serviceAccountToken": {"path": "token", "audience": "s3", "expirationSeconds": 3600}},
+                    {"configMap": {"name": "engine-env"}},
+                ]
+            },
+        },
+    ],
+    "volumeMounts": [
+        {"name": "certs", "mountPath": "/etc/ssl/extra", "readOnly": True},
+        {"name": "scratch", "mountPath": "/scratch"},
+        {"name": "identity", "mountPath": "/var/run/identity", "readOnly": True},
+    ],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "type", "operator": "In", "values": ["kwok"]}]}]
+            }
+        }
+    },
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "runtimeClassName": RUNTIME_CLASS,
+    "imagePullSecrets": [{"name": "regcred"}],
+    "resources": {"requests": {"ephemeral-storage": "10Gi"}, "limits": {"ephemeral-storage": "20Gi"}},
+}
+POOL_POD = {
+    "env": [{"name": "HTTPS_PROXY", "value": "http://pool-proxy.example:3128"}],
+    "nodeSelector": {"type": "kwok"},
+}
+ROUTER = {
+    "nodeSelector": {"type": "kwok"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "resources": {"requests": {"cpu": "100m"}, "limits": {"memory": "512Mi"}},
+}
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
+
+
+@pytest.fixture
+def operator(control_plane, cp_namespace, identity, tmp_path):
+    restricted_namespace(control_plane, cp_namespace)
+    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    forbidden = op.forbidden_lines()
+    assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
+
+
+def _objects(namespace: str) -> list[dict[str, Any]]:
+    """What the overrides name: a RuntimeClass (admission refuses pods naming a missing one), Secrets, a ConfigMap."""
+    meta = {"namespace": namespace}
+    return [
+        {
+            "apiVersion": "node.k8s.io/v1",
+            "kind": "RuntimeClass",
+            "metadata": {"name": RUNTIME_CLASS},
+            "handler": "nvidia",
+        },
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {**meta, "name": "hf"}, "stringData": {"token": "hf_x"}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {**meta, "name": "ca"}, "stringData": {"ca.crt": "x"}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": "engine-env"}, "data": {"LOG": "1"}},
+    ]
+
+
+def _isvc(name: str) -> dict[str, Any]:
+    obj = load_example("inferenceservice-unified.yaml")
+    obj["metadata"]["name"] = name
+    obj["spec"]["pod"] = copy.deepcopy(POD)
+    obj["spec"]["pools"]["unified"]["pod"] = copy.deepcopy(POOL_POD)
+    obj["spec"]["router"].update(copy.deepcopy(ROUTER))
+    obj["spec"]["autoscaling"]["enabled"] = False
+    return obj
+
+
+def test_overrides_land_in_pods_admitted_by_a_restricted_namespace(control_plane, cp_namespace, operator):
+    ns = cp_namespace
+    for doc in _objects(ns):
+        control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
+    obj = _isvc("overrides")
+    assert validate_spec(InferenceServiceSpec.model_validate(obj["spec"]), "overrides") == []
+    bind_claims(control_plane, ns, claims_in(obj["spec"]))
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
+    wait_until(lambda: is_ready(get_isvc(control_plane, ns, "overrides")), 180, "overrides Ready")
+
+    # What the operator applied reads back equal to what the builders render: no write on every reconcile.
+    desired = {
+        (c["kind"], c["metadata"]["name"]): c
+        for c in build_children("overrides", ns, ServiceView.from_spec(obj["spec"]))
+    }
+    found = children(control_plane, ns, "overrides")
+    for key in (("Deployment", "overrides-unified"), ("Deployment", "overrides-router")):
+        assert contains(found[key], desired[key]), key
+
+    engines = pods(control_plane, ns, "tidepool.dev/inferenceservice=overrides,tidepool.dev/pool=unified")
+    assert engines and all(pod_is_ready(p) for p in engines)
+    for pod in engines:
+        spec, engine = pod["spec"], pod["spec"]["containers"][0]
+        env = {e["name"]: e for e in engine["env"]}
+        assert env["HTTPS_PROXY"]["value"] == "http://pool-proxy.example:3128"  # the pool's entry replaced it
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+        assert env["HOME"]["value"] == "/tmp"
+        assert engine["envFrom"] == [{"configMapRef": {"name": "engine-env"}}]
+        mounts = {m["mountPath"]: m["name"] for m in engine["volumeMounts"]}
+        assert {"/etc/ssl/extra": "certs", "/scratch": "scratch", "/var/run/identity": "identity"}.items() <= (
+            mounts.items()
+        )
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["certs"]["secret"]["secretName"] == "ca"
+        assert volumes["scratch"]["emptyDir"] == {"sizeLimit": "1Gi"}
+        assert volumes["identity"]["projected"]["sources"][0]["serviceAccountToken"]["audience"] == "s3"
+        assert spec["affinity"] == POD["affinity"]
+        assert spec["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"]["tidepool.dev/pool"] == "unified"
+        assert spec["runtimeClassName"] == RUNTIME_CLASS and spec["imagePullSecrets"] == [{"name": "regcred"}]
+        assert spec["nodeSelector"]["type"] == "kwok"
+        assert engine["resources"]["limits"]["ephemeral-storage"] == "20Gi"
+        assert engine["resources"]["requests"]["ephemeral-storage"] == "10Gi"
+        # What "restricted" asks for is untouched by the overrides (and the namespace admitted the pod).
+        for key, value in pod_security_context().items():
+            assert spec["securityContext"][key] == value, key
+        for container in spec["containers"] + spec.get("initContainers", []):
+            for key, value in container_security_context().items():
+                assert container["securityContext"][key] == value, (container["name"], key)
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & {k for k, v in spec.items() if v}
+
+    (router,) = wait_until(
+        lambda: [p for p in pods(control_plane, ns, "tidepool.dev/inferenceservice=overrides,tidepool.dev/pool=router")
+                 if pod_is_ready(p)],
+        120,
+        "the router pod Ready",
+    )  # fmt: skip
+    assert router["spec"]["nodeSelector"] == {"type": "kwok"}
+    assert ROUTER["tolerations"][0] in router["spec"]["tolerations"]
+    assert router["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert router["spec"]["containers"][0]["resources"]["limits"] == {"memory": "512Mi"}
+    assert "runtimeClassName" not in router["spec"] and "envFrom" not in router["spec"]["containers"][0]
+
+
+def _refusal(cluster, namespace: str, body: dict[str, Any]) -> str:
+    with pytest.raises(client.ApiException) as caught:
+        custom_api(cluster).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    assert caught.value.status == 422, caught.value.body
+    return json.loads(caught.value.body)["message"]
+
+
+@pytest.mark.parametrize(
+    ("where", "pod", "expected"),
+    [
+        (
+            "spec.pod",
+            {"volumes": [{"name": "host", "hostPath": {"path": "/var/lib/kubelet"}}]},
+            "pod.volumes: hostPath volumes are refused (Pod Security 'restricted' forbids them)",
+        ),
+        (
+            "pools.unified.pod",
+            {"volumes": [{"name": "host", "hostPath": {"path": "/", "type": "Directory"}}]},
+            "hostPath volumes are refused",
+        ),
+        ("spec.pod", {"env": [{"name": "TIDEPOOL_MASTER_ADDR", "value": "evil"}]}, "pod.env must not set a variable"),
+        ("pools.unified.pod", {"env": [{"name": "HOME", "value": "/root"}]}, "the operator sets itself (HOME, HF_HOME"),
+        ("spec.pod", {"hostNetwork": True}, "pod.hostNetwork, hostPID and hostIPC are refused"),
+        (
+            "spec.pod",
+            {"volumes": [{"name": "n", "nfs": {"server": "nfs.example", "path": "/"}}]},
+            "pod.volumes entries need exactly one source of: configMap, secret, emptyDir",
+        ),
+        (
+            "spec.pod",
+            {"volumes": [{"name": "w", "emptyDir": {}}], "volumeMounts": [{"name": "w", "mountPath": "/models"}]},
+            "must not mount at or under a path the operator mounts",
+        ),
+    ],
+)
+def test_forbidden_overrides_are_refused_by_the_api_server(control_plane, cp_namespace, identity, where, pod, expected):
+    restricted_namespace(control_plane, cp_namespace)
+    body = load_example("inferenceservice-unified.yaml")
+    body["metadata"]["name"] = "refused"
+    if where == "spec.pod":
+        body["spec"]["pod"] = pod
+    else:
+        body["spec"]["pools"]["unified"]["pod"] = pod
+    message = _refusal(control_plane, cp_namespace, body)
+    assert expected in message, message
+    assert get_isvc(control_plane, cp_namespace, "refused") is None
