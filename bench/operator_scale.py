@@ -56,7 +56,9 @@ from test_cp_operator_support import (  # noqa: E402
 )
 
 import devcluster  # noqa: E402
+from tidepool.operator.builders import build_children  # noqa: E402
 from tidepool.operator.k8s import KubeClient, load_credentials  # noqa: E402
+from tidepool.operator.reconcile import apply_all  # noqa: E402
 
 NAMESPACE = "bench"
 COMPONENT_FLAGS = {
@@ -118,14 +120,24 @@ def patch_component_flags() -> None:
     devcluster.DevCluster._spawn = spawn  # type: ignore[method-assign]
 
 
-async def create_all(kubeconfig: Path, num: int, concurrency: int = 16) -> float:
-    """POST N InferenceServices with bounded concurrency; returns seconds taken."""
+async def create_all(kubeconfig: Path, num: int, floor: bool, concurrency: int = 16) -> float:
+    """POST N InferenceServices with bounded concurrency; returns seconds taken. With `floor`, apply each
+    service's children instead (the operator's own builders and two-phase apply, no operator running)."""
     t0 = time.monotonic()
     sem = asyncio.Semaphore(concurrency)
     async with KubeClient(load_credentials(str(kubeconfig)), max_connections=concurrency) as api:
 
         async def one(i: int) -> None:
             async with sem:
+                if floor:
+                    body = service(f"s{i:04d}")
+                    children = build_children(body["metadata"]["name"], NAMESPACE, body["spec"])
+                    for obj in children:
+                        obj["metadata"]["namespace"] = NAMESPACE
+                    _, error = await apply_all(api, children)
+                    if error:
+                        raise RuntimeError(error)
+                    return
                 await api.request(
                     "POST",
                     f"/apis/tidepool.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices",
@@ -142,26 +154,29 @@ class Progress:
     change; polling full lists of 1,000 services and 2,000 Deployments every few seconds would cost it
     more than the operator does."""
 
-    def __init__(self, api: KubeClient) -> None:
-        self.api = api
+    def __init__(self, api: KubeClient, floor: bool = False) -> None:
+        self.api, self.floor = api, floor
         self.ready: dict[str, bool] = {}
         self.engines: dict[str, bool] = {}  # engine Deployment -> every replica ready
+        self.routers: dict[str, bool] = {}  # router Deployment -> every replica ready (floor mode's "ready")
         self.synced = 0
 
     def counts(self) -> dict[str, int]:
-        return {
-            "engines": len(self.engines),
-            "engines_ready": sum(self.engines.values()),
-            "ready": sum(self.ready.values()),
-        }
+        if self.floor:  # no operator, no status: a service is up when its engine and router pods are
+            ready = sum(ok and self.routers.get(name.removesuffix("-unified") + "-router", False)
+                        for name, ok in self.engines.items())  # fmt: skip
+        else:
+            ready = sum(self.ready.values())
+        return {"engines": len(self.engines), "engines_ready": sum(self.engines.values()), "ready": ready}
 
     def _update(self, kind: str, event_type: str, obj: dict[str, Any]) -> None:
         name = obj["metadata"]["name"]
         if kind == "InferenceService":
             self.ready[name] = event_type != "DELETED" and is_ready(obj)
-        elif name.endswith("-unified"):
+        elif name.endswith(("-unified", "-router")):
             status = obj.get("status") or {}
-            self.engines[name] = int(status.get("readyReplicas", 0)) >= int(obj["spec"].get("replicas", 1))
+            up = int(status.get("readyReplicas", 0)) >= int(obj["spec"].get("replicas", 1))
+            (self.engines if name.endswith("-unified") else self.routers)[name] = up
 
     async def follow(self, kind: str) -> None:
         items, rv, _ = await self.api.list_page(kind, NAMESPACE, None)
@@ -180,11 +195,13 @@ class Progress:
                 await asyncio.sleep(1)
 
 
-async def watch_ready(kubeconfig: Path, num: int, timeout_s: float, poll_s: float, started: asyncio.Event) -> list:
+async def watch_ready(
+    kubeconfig: Path, num: int, timeout_s: float, poll_s: float, started: asyncio.Event, floor: bool
+) -> list:
     """Sample the counts every poll_s seconds from the first create until all are Ready (or timeout)."""
     timeline: list[dict[str, Any]] = []
     async with KubeClient(load_credentials(str(kubeconfig))) as api:
-        progress = Progress(api)
+        progress = Progress(api, floor)
         tasks = [asyncio.create_task(progress.follow(k)) for k in ("InferenceService", "Deployment")]
         while progress.synced < 2:
             await asyncio.sleep(0.1)
@@ -204,11 +221,13 @@ async def watch_ready(kubeconfig: Path, num: int, timeout_s: float, poll_s: floa
     return timeline
 
 
-async def create_and_watch(kubeconfig: Path, num: int, timeout_s: float, poll_s: float) -> tuple[float, list]:
+async def create_and_watch(
+    kubeconfig: Path, num: int, timeout_s: float, poll_s: float, floor: bool
+) -> tuple[float, list]:
     started = asyncio.Event()
-    watcher = asyncio.create_task(watch_ready(kubeconfig, num, timeout_s, poll_s, started))
+    watcher = asyncio.create_task(watch_ready(kubeconfig, num, timeout_s, poll_s, started, floor))
     await started.wait()
-    create_s = await create_all(kubeconfig, num)
+    create_s = await create_all(kubeconfig, num, floor)
     return create_s, await watcher
 
 
@@ -300,18 +319,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         install_crd(cluster)
         cluster.kubectl("create", "namespace", NAMESPACE)
         restricted_namespace(cluster, NAMESPACE)
-        identity = operator_identity(cluster, state)
-        op = OperatorProcess(identity.kubeconfig, [NAMESPACE], state / "operator.log")
-        op.start()
-        assert op.proc is not None
-        stats = ProcStats(op.proc.pid)
-        time.sleep(5)  # operator up, leader, caches synced before the clock starts
-        cpu0, load0 = stats.cpu_s(), os.getloadavg()
+        stats: ProcStats | None = None
+        if not args.floor:
+            identity = operator_identity(cluster, state)
+            op = OperatorProcess(identity.kubeconfig, [NAMESPACE], state / "operator.log")
+            op.start()
+            assert op.proc is not None
+            stats = ProcStats(op.proc.pid)
+            time.sleep(5)  # operator up, leader, caches synced before the clock starts
+        cpu0, load0 = stats.cpu_s() if stats else 0.0, os.getloadavg()
         components = {name: ProcStats(pid) for name, pid in cluster.pids.items()}
         component_cpu0 = {name: c.cpu_s() for name, c in components.items()}
-        result["operator_rss_idle_mb"] = round(stats.rss_mb(), 1)
+        result["operator_rss_idle_mb"] = round(stats.rss_mb(), 1) if stats else None
         requests0 = apiserver_counters(cluster)
-        create_s, timeline = asyncio.run(create_and_watch(cluster.kubeconfig, num, args.timeout, args.poll))
+        create_s, timeline = asyncio.run(create_and_watch(cluster.kubeconfig, num, args.timeout, args.poll, args.floor))
         result["create_all_s"] = round(create_s, 2)
         elapsed = timeline[-1]["t"]
         ready = timeline[-1]["ready"]
@@ -323,25 +344,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             all_ready=ready == num,
             num_ready=ready,
             time_to_all_ready_s=elapsed if ready == num else None,
-            operator_cpu_s_to_ready=round(stats.cpu_s() - cpu0, 1),
+            operator_cpu_s_to_ready=round(stats.cpu_s() - cpu0, 1) if stats else None,
             # Where the machine's time went meanwhile (each component's utime+stime).
             component_cpu_s_to_ready={n: round(c.cpu_s() - component_cpu0[n], 1) for n, c in components.items()},
-            operator_rss_peak_mb_to_ready=round(stats.rss_mb("VmHWM"), 1),
+            operator_rss_peak_mb_to_ready=round(stats.rss_mb("VmHWM"), 1) if stats else None,
             load_average_before=[round(x, 2) for x in load0],
             load_average_at_ready=[round(x, 2) for x in os.getloadavg()],
             timeline=timeline,
             **requests_to_ready(requests0, apiserver_counters(cluster), num),
         )
-        if ready == num and args.window > 0:
-            result["steady_state"] = steady_state(cluster, op, stats, num, args.settle, args.window)
-        else:
-            result["operator_rss_peak_mb"] = round(stats.rss_mb("VmHWM"), 1)
-        op.stop()
-        log = op.log_text()
-        errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
-        result["operator_errors_logged"] = len(errors)
-        result["operator_error_samples"] = errors[:5]
-        result["operator_forbidden"] = len(op.forbidden_lines())
+        if op is not None and stats is not None:
+            if ready == num and args.window > 0:
+                result["steady_state"] = steady_state(cluster, op, stats, num, args.settle, args.window)
+            else:
+                result["operator_rss_peak_mb"] = round(stats.rss_mb("VmHWM"), 1)
+            op.stop()
+            log = op.log_text()
+            errors = [line for line in log.splitlines() if " ERROR " in line or "Traceback" in line]
+            result["operator_errors_logged"] = len(errors)
+            result["operator_error_samples"] = errors[:5]
+            result["operator_forbidden"] = len(op.forbidden_lines())
         if args.keep_state:
             print(f"state (logs, kubeconfigs) kept in {state}", file=sys.stderr)
     finally:
@@ -365,12 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=float, default=120.0, help="steady state: each measuring window (0: skip)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--keep-state", action="store_true", help="keep the cluster's and operator's logs")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="no operator: apply every service's children directly (the cluster's own floor, for comparison)",
+    )
     args = parser.parse_args(argv)
     if args.services * 1 > args.nodes * devcluster.GPUS_PER_NODE:
         parser.error(f"{args.services} one-GPU services do not fit on {args.nodes} nodes of {devcluster.GPUS_PER_NODE}")
     result = run(args)
+    result["floor"] = args.floor
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"operator_scale_n{args.services}_m{args.nodes}"
+    stem = args.out / f"operator_scale_n{args.services}_m{args.nodes}{'_floor' if args.floor else ''}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result["timeline"], args.services, stem.with_suffix(".png"))
     print(json.dumps({k: v for k, v in result.items() if k != "timeline"}, indent=2))
