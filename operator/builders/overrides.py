@@ -128,7 +128,9 @@ def _spread(constraint: dict[str, Any], selector: dict[str, str]) -> dict[str, A
 
 
 def apply_engine_pod(spec: dict[str, Any], container: dict[str, Any], pod: PodOverrides, selector: dict[str, str]):
-    """Add the overrides to an engine pod `spec` and its engine `container` (both changed in place).
+    """Add the overrides to an engine pod `spec` and its engine `container` (both changed in place). env,
+    envFrom and volumeMounts reach the model-download init containers too (a proxy, a CA bundle), except
+    env names an init container sets itself (its credentials).
 
     `selector`: the pool's selector labels (the default labelSelector of a topology spread constraint).
     """
@@ -139,6 +141,15 @@ def apply_engine_pod(spec: dict[str, Any], container: dict[str, Any], pod: PodOv
     if pod.volume_mounts:
         mounts = [*container.get("volumeMounts", []), *(wire(m) for m in pod.volume_mounts)]
         container["volumeMounts"] = sorted(mounts, key=lambda m: m["mountPath"])
+    for init in spec.get("initContainers", []):  # the model download needs a proxy or a CA bundle too
+        own = {e["name"] for e in init.get("env", [])}  # its credentials (secretKeyRef) stay as they are
+        if env := [wire(e) for e in pod.env if e.name not in own]:
+            init["env"] = [*init.get("env", []), *env]
+        if pod.env_from:
+            init["envFrom"] = [*init.get("envFrom", []), *(wire(e) for e in pod.env_from)]
+        if pod.volume_mounts:
+            mounts = [*init.get("volumeMounts", []), *(wire(m) for m in pod.volume_mounts)]
+            init["volumeMounts"] = sorted(mounts, key=lambda m: m["mountPath"])
     if pod.volumes:
         volumes = [*spec.get("volumes", []), *(wire(v) for v in pod.volumes)]
         spec["volumes"] = sorted(volumes, key=lambda v: v["name"])

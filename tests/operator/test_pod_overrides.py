@@ -66,6 +66,20 @@ def router_pod(s: dict[str, Any]) -> dict[str, Any]:
     return by_key(build(s))[("Deployment", "svc-router")]["spec"]["template"]
 
 
+def test_env_envfrom_and_mounts_reach_the_download_init_container_but_not_over_its_credentials() -> None:
+    base = copy.deepcopy(UNIFIED)
+    base["model"]["credentials"] = {"secretName": "hub"}
+    (template,) = engine_pods(spec(base, pod=POD))[:1]
+    (init,) = template["spec"]["initContainers"]
+    env = {e["name"]: e for e in init["env"]}
+    assert env["HTTPS_PROXY"]["value"] == "http://proxy:3128"
+    token = [e for e in init["env"] if e["name"] == "HF_TOKEN"]
+    assert len(token) == 1 and token[0]["valueFrom"]["secretKeyRef"]["name"] == "hub"  # the credentials' own
+    assert init["envFrom"] == [{"configMapRef": {"name": "engine-env"}}]
+    mounts = [m["mountPath"] for m in init["volumeMounts"]]
+    assert "/etc/ssl/extra" in mounts and "/models" in mounts and mounts == sorted(mounts)
+
+
 @pytest.mark.parametrize("form", FEATURES)
 def test_overrides_land_in_every_engine_pod_form(form: str) -> None:
     base, features = FEATURES[form]
