@@ -29,7 +29,7 @@ from typing import Any
 
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY
 from tidepool.operator.k8s import ApiError, KubeClient
-from tidepool.operator.pod_problems import container_problems
+from tidepool.operator.pod_problems import container_problems, download_started
 
 logger = logging.getLogger("tidepool.operator.cache")
 
@@ -80,6 +80,7 @@ class PodInfo:
     is_terminating: bool
     ip: str | None
     problems: tuple[tuple[str, str], ...]  # (reason, message): Unschedulable, ImagePullBackOff, ...
+    downloading_since: str | None = None  # its model download runs, started then (RFC 3339)
 
 
 def pod_info(obj: dict[str, Any]) -> PodInfo:
@@ -107,6 +108,7 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         is_terminating=bool(meta.get("deletionTimestamp")),
         ip=status.get("podIP"),
         problems=tuple(problems),
+        downloading_since=download_started(status),
     )
 
 

@@ -55,7 +55,7 @@ from tidepool.operator.reconcile import (
     status_patch,
     write_status,
 )
-from tidepool.operator.status import Outcome, build_status, observe_pool, pod_problems
+from tidepool.operator.status import Outcome, build_status, downloads_in_progress, observe_pool, pod_problems
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
@@ -348,6 +348,7 @@ class Controller:
         outcome = Outcome(apply_error=error, applied=error is None, scaling_limit=scaling_limit)
         if not all(m.is_complete for m in members):
             outcome.pod_problems = pod_problems(pods)
+            outcome.downloading = downloads_in_progress(pods)
         status = build_status(
             previous, generation, pools, router, outcome, desired.url, desired.selector, desired.scaled_pool,
             now_rfc3339(), replaced,

@@ -9,6 +9,8 @@
 - any other init container that exited non-zero: `InitContainerFailed`;
 - a container waiting for a reason in WAITING_PROBLEMS (image pull, crash loop, bad config).
 
+`download_started(status)`: when a running download began (progress for the Progressing condition).
+
 Invariants: at most one problem per container (a failed download's CrashLoopBackOff is reported as
 the download's failure, which says what to fix); messages are one line and bounded, and stable while
 the failure repeats (no restart counts or timestamps), so an unchanged failure does not re-trigger
@@ -55,6 +57,15 @@ def _init_problem(cs: Mapping[str, Any]) -> tuple[str, str] | None:
     if name.startswith(INIT_PREFIX):
         return DOWNLOAD_FAILED, f"model download failed: {detail}"
     return INIT_FAILED, f"init container {name} failed: {detail}"
+
+
+def download_started(status: Mapping[str, Any]) -> str | None:
+    """When the pod's model download (a `fetch-*` init container) started, while it runs; else None."""
+    for cs in status.get("initContainerStatuses") or []:
+        running = (cs.get("state") or {}).get("running")
+        if running is not None and cs.get("name", "").startswith(INIT_PREFIX):
+            return running.get("startedAt") or "?"
+    return None
 
 
 def container_problems(status: Mapping[str, Any]) -> list[tuple[str, str]]:

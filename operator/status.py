@@ -13,7 +13,8 @@ Conditions (what `kubectl wait` and Argo CD read):
   of an older generation is kept as it was (still true of that generation), so
   `kubectl wait --for=condition=Ready` (which skips conditions of older generations) returns only
   when the new template serves, and dashboards never see the service flap while it serves.
-- Progressing=True while replicas are being replaced (RollingOut) or added/removed (Scaling).
+- Progressing=True while replicas are being replaced (RollingOut) or added/removed (Scaling); its message
+  names the pods whose model download runs and since when.
 - Degraded=True when the API refused a child, a workload controller failed, or pods cannot run
   (a failed model download: reason ModelDownloadFailed, also Ready's reason, with the download's own
   one-line cause, e.g. "pod P: model download failed: 401 ... Secret hf-token key HF_TOKEN ...").
@@ -101,6 +102,7 @@ class Outcome:
     applied: bool = True  # this generation's children are all applied
     scaling_limit: tuple[str, str] | None = None  # (reason, message) from the autoscaler
     pod_problems: list[PodProblem] = field(default_factory=list)
+    downloading: list[str] = field(default_factory=list)  # "pod P (since T)" of model downloads under way
 
 
 def template_hash(workload: Mapping[str, Any]) -> str | None:
@@ -180,6 +182,11 @@ def pod_problems(pods: Sequence[PodInfo]) -> list[PodProblem]:
         for reason, message in pod.problems
     ]
     return sorted(out, key=lambda p: (p.pool, p.pod, p.reason))
+
+
+def downloads_in_progress(pods: Sequence[PodInfo]) -> list[str]:
+    """The pods whose model download runs, as "pod P (since T)", for the Progressing message."""
+    return sorted(f"pod {p.name} (since {p.downloading_since})" for p in pods if p.downloading_since)
 
 
 def _describe(obs: PoolObservation) -> str:
@@ -292,7 +299,10 @@ def build_status(
         cond("Progressing", False, "Stalled", "see the Degraded condition")
     else:
         reason = "RollingOut" if not outcome.applied or any(m.is_rolling for m in unfinished) else "Scaling"
-        cond("Progressing", True, reason, "; ".join(_describe(m) for m in unfinished) or "applying the spec")
+        message = "; ".join(_describe(m) for m in unfinished) or "applying the spec"
+        if outcome.downloading:
+            message += "; downloading the model: " + ", ".join(outcome.downloading)
+        cond("Progressing", True, reason, message[:4000])
 
     if capacity:
         pods = ", ".join(sorted({f"{p.pool}/{p.pod}" for p in capacity}))

@@ -9,7 +9,7 @@ import pytest
 from tidepool.operator.api import InferenceServiceStatus
 from tidepool.operator.cache import pod_info
 from tidepool.operator.pod_problems import DOWNLOAD_FAILED, container_problems
-from tidepool.operator.status import Outcome, PoolObservation, build_status, pod_problems
+from tidepool.operator.status import Outcome, PoolObservation, build_status, downloads_in_progress, pod_problems
 
 REASON_401 = "401 Unauthorized for org/m@main at https://huggingface.co: the token in Secret hf-token key HF_TOKEN is missing or invalid"  # noqa: E501
 
@@ -111,3 +111,28 @@ def test_an_unchanged_failure_gives_an_equal_pod_summary():
         ]
     )
     assert pod_info(first) == pod_info(again)
+
+
+def test_a_running_download_shows_in_progressing():
+    started = "2026-01-01T00:00:00Z"
+    info = pod_info(pod([{"name": "fetch-model", "state": {"running": {"startedAt": started}}}]))
+    assert info.downloading_since == started and info.problems == ()
+    obs = PoolObservation(name="unified", desired=1, replicas=1, ready=0, updated=1, updated_ready=0)
+    status = build_status(
+        InferenceServiceStatus(),
+        generation=1,
+        pools=[obs],
+        router=None,
+        outcome=Outcome(pod_problems=pod_problems([info]), downloading=downloads_in_progress([info])),
+        url="http://svc-router.ns.svc",
+        selector=None,
+        scaled_pool="unified",
+        now="2026-01-01T00:01:00Z",
+    )
+    progressing = status.condition("Progressing")
+    assert progressing.status == "True"
+    assert progressing.message.endswith(f"downloading the model: pod svc-unified-abc (since {started})")
+    assert status.condition("Degraded").status == "False"
+    # once the download is done, the pod summary no longer carries it
+    done = pod_info(pod([{"name": "fetch-model", "state": terminated(0, "", "Completed")}]))
+    assert done.downloading_since is None and downloads_in_progress([done]) == []
