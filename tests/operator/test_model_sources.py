@@ -57,6 +57,22 @@ def test_s3_init_container_gets_aws_keys_and_falls_back_to_logs():
     assert "HF_TOKEN" not in env
 
 
+def test_catalogue_uri_is_pulled_into_the_cache_and_served_from_its_gguf():
+    from tidepool.engine.gguf import catalogue
+
+    name = catalogue.names()[0]
+    entry = catalogue.CATALOGUE[name]
+    pod = pod_of(spec(UNIFIED, model={"uri": f"catalogue://{name}"}))
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["tidepool", "pull"] and init["args"] == [name]
+    assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    cache = env_of(init)["TIDEPOOL_CACHE"]["value"]
+    assert cache.startswith("/models/")  # on the cache volume, so one pull serves every pod of a shared cache
+    engine_args = pod["containers"][0]["args"]
+    # where `tidepool pull` leaves the file with that TIDEPOOL_CACHE (catalogue.cached_path's layout)
+    assert engine_args[engine_args.index("--model") + 1] == f"{cache}/models/{entry.name}/{entry.file_name}"
+
+
 def test_no_credentials_no_secret_refs():
     pod = pod_of(spec(UNIFIED))
     assert "secretKeyRef" not in json.dumps(pod) and SECRET_NAME_ENV not in json.dumps(pod)
