@@ -39,6 +39,7 @@ from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, 
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store, compact
 from tidepool.operator.events import EventRecorder
+from tidepool.operator.features import detect_features, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.reconcile import (
     LEGACY_FINALIZER,
@@ -59,9 +60,6 @@ from tidepool.operator.status import Outcome, build_status, observe_pool, pod_pr
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
-FEATURE_TTL_S = 300.0  # how often optional CRDs (LWS, ServiceMonitor) are looked up again
-BASE_KINDS = ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget")
-BASE_KINDS += ("PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod")
 Key = tuple[str, str]
 
 
@@ -70,6 +68,7 @@ class ControllerOptions:
     resync_seconds: float = 600.0
     workers: int = 16
     features: ClusterFeatures = field(default_factory=ClusterFeatures)  # options; CRD presence is detected
+    feature_recheck_seconds: float = 300.0  # how often optional CRDs (LWS, ServiceMonitor, InferencePool) are looked up
 
 
 @dataclass(slots=True)
@@ -112,33 +111,32 @@ class Controller:
             selector = None if kind == SERVICE_KIND else CHILD_SELECTOR
             informer = Informer(self.client, self.store, kind, ns, selector)
             self.informers[(kind, ns)] = informer
-            self._tasks.append(asyncio.create_task(informer.run(), name=f"informer {informer.name}"))
+            informer.task = asyncio.create_task(informer.run(), name=f"informer {informer.name}")
+            self._tasks.append(informer.task)
             started.append(informer)
         return started
 
-    async def _detect_features(self) -> ClusterFeatures:
-        from dataclasses import replace
-
-        return replace(
-            self.options.features,
-            has_lws=await self.client.has_kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
-            has_service_monitor=await self.client.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
-        )
-
-    def _kinds(self, features: ClusterFeatures) -> list[str]:
-        kinds = [SERVICE_KIND, *BASE_KINDS]
-        if features.has_lws:
-            kinds.append("LeaderWorkerSet")
-        if features.has_service_monitor:
-            kinds.append("ServiceMonitor")
-        return kinds
+    async def _stop_informers(self, kinds: set[str]) -> None:
+        """Stop watching kinds whose CRD went away, and forget their cached objects (they went with it)."""
+        for (kind, ns), informer in list(self.informers.items()):
+            if kind not in kinds:
+                continue
+            del self.informers[(kind, ns)]
+            if informer.task is not None:
+                informer.task.cancel()
+                await asyncio.gather(informer.task, return_exceptions=True)
+                self._tasks.remove(informer.task)
+            for namespace, name in list(self.store.keys_in_scope(kind, ns)):
+                stub = self.store.stub(kind, namespace, name)
+                if stub is not None:
+                    self.store.delete(stub)
 
     async def start(self, autoscaler: Autoscaler | None) -> None:
         """Fill the caches (waits for every initial list), then start workers and timers."""
         self.autoscaler = autoscaler
-        self.features = await self._detect_features()
+        self.features = await detect_features(self.client, self.options.features)
         t0 = time.monotonic()
-        informers = [i for kind in self._kinds(self.features) for i in self._start_informer(kind)]
+        informers = [i for kind in watched_kinds(self.features) for i in self._start_informer(kind)]
         await asyncio.gather(*(i.synced.wait() for i in informers))
         self.is_synced = True
         logger.info(
@@ -170,16 +168,17 @@ class Controller:
 
     async def _feature_loop(self) -> None:
         while True:
-            await asyncio.sleep(FEATURE_TTL_S)
+            await asyncio.sleep(self.options.feature_recheck_seconds)
             try:
-                features = await self._detect_features()
+                features = await detect_features(self.client, self.options.features)
             except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
                 logger.warning("feature discovery failed: %r", exc)
                 continue
             if features == self.features:
                 continue
             logger.info("cluster features changed: %s -> %s", self.features, features)
-            started = [i for kind in self._kinds(features) for i in self._start_informer(kind)]
+            await self._stop_informers(set(watched_kinds(self.features)) - set(watched_kinds(features)))
+            started = [i for kind in watched_kinds(features) for i in self._start_informer(kind)]
             await asyncio.gather(*(i.synced.wait() for i in started))
             self.features = features
             for key in self.store.service_keys():

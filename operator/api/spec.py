@@ -19,6 +19,7 @@ from pydantic import Field, StringConstraints
 
 from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
+from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.types import IntOrPercent, Quantity
@@ -293,6 +294,9 @@ class InferenceServiceSpec(ApiModel):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout bounds.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level overrides.")
     model_cache: ModelCache | None = Field(default=None, description="Shared weight cache (a PVC); unset: emptyDir.")
+    inference_pool: InferencePoolSpec | None = Field(
+        default=None, description="A Gateway API Inference Extension InferencePool over the serving pods; unset: none."
+    )
 
     def pool_names(self) -> tuple[str, ...]:
         """The pools this spec's mode runs, in a stable order."""
