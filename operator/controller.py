@@ -7,7 +7,8 @@ take keys from the queue (one worker per key at a time; triggers coalesce) and r
 1. read the InferenceService from the cache (gone: forget it; being deleted: nothing to do, the
    garbage collector removes the children through their owner references; a finalizer left by
    an older operator is removed so deletes never wait for us);
-2. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`);
+2. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`); with
+   the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once;
 3. reconcile (reconcile.py). Fast path: when the generation, the autoscaler's replicas and the
    cluster features are those last verified and every child's version (generation for workloads,
    resourceVersion otherwise) is one already verified to match the spec, nothing is built or
@@ -273,8 +274,11 @@ class Controller:
                     body = await self.autoscaler.tick(key, body)
                     self.store.put({**body, "kind": SERVICE_KIND})
                 self._wake_for_tick(key, self.autoscaler.seconds_until_due(key))
-            else:
-                self.autoscaler.forget(key)
+            else:  # off or external: forget it, and clear the status.autoscaling an earlier mode left
+                cleared = await self.autoscaler.clear(key, body)
+                if cleared is not body:
+                    body = dict(cleared)
+                    self.store.put({**body, "kind": SERVICE_KIND})
                 self.tick_timers.pop(key, None)
         await self._reconcile(key, body, full)
 
