@@ -26,6 +26,7 @@ DriftCorrected, Pruned, InvalidSpec, ApplyFailed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -40,7 +41,7 @@ from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, 
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store, compact
 from tidepool.operator.events import EventRecorder
-from tidepool.operator.features import detect_features, watched_kinds
+from tidepool.operator.features import detect_features, refused_optional, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.reconcile import (
     LEGACY_FINALIZER,
@@ -99,6 +100,7 @@ class Controller:
         self.num_syncs = 0
         self.num_full = 0
         self.is_synced = False
+        self.recheck_features = asyncio.Event()
 
     # ---- wiring ------------------------------------------------------------------------------
     def _on_change(self, namespace: str, name: str) -> None:
@@ -168,8 +170,11 @@ class Controller:
         return None
 
     async def _feature_loop(self) -> None:
+        """Discovery again every feature_recheck_seconds, or at once when an optional kind's apply failed."""
         while True:
-            await asyncio.sleep(self.options.feature_recheck_seconds)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.recheck_features.wait(), self.options.feature_recheck_seconds)
+            self.recheck_features.clear()
             try:
                 features = await detect_features(self.client, self.options.features)
             except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
@@ -323,6 +328,8 @@ class Controller:
                 before, _ = observe(desired, {k: v for k, v in observed.items() if k[0] in WORKLOAD_KINDS}, pods)
                 held_router = hold_router(todo, desired, observed, all(p.is_serving_current for p in before))
             applied, error = await apply_all(self.client, todo.apply)
+            if error and refused_optional(todo.apply, applied):
+                self.recheck_features.set()  # its CRD may be gone: discovery now, not at the next period
             for child, obj in applied.items():
                 self.store.put(obj)
                 versions[child] = compact(obj).version

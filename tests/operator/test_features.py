@@ -10,7 +10,7 @@ from fake_api import FakeApi
 from tidepool.operator.builders import ClusterFeatures
 from tidepool.operator.cache import Informer
 from tidepool.operator.controller import Controller, ControllerOptions
-from tidepool.operator.features import OPTIONAL_KINDS, detect_features, watched_kinds
+from tidepool.operator.features import OPTIONAL_KINDS, detect_features, refused_optional, watched_kinds
 
 
 class Discovery:
@@ -63,3 +63,11 @@ def test_a_crd_going_away_stops_its_informer_and_forgets_its_objects():
     assert ("InferencePool", "ns") not in controller.informers
     assert not list(controller.store.keys_in_scope("InferencePool", "ns"))
     assert controller.store.children_of(("ns", "a"), "owner") == {}
+
+
+def test_a_refused_optional_apply_asks_for_discovery_at_once():
+    pool = {"kind": "InferencePool", "metadata": {"name": "a"}}
+    deployment = {"kind": "Deployment", "metadata": {"name": "a-unified"}}
+    assert refused_optional([pool, deployment], {("Deployment", "a-unified"): {}})
+    assert not refused_optional([pool, deployment], {("InferencePool", "a"): {}})  # only the Deployment failed
+    assert not refused_optional([deployment], {("Deployment", "a-unified"): {}})
