@@ -37,8 +37,9 @@ CHILD_SELECTOR = f"app.kubernetes.io/managed-by={MANAGED_BY},{LABEL_SERVICE}"
 SERVICE_KIND = "InferenceService"
 # Kinds whose status the controller reads; other children are stored without it.
 KEEP_STATUS = {"Deployment", "StatefulSet", "LeaderWorkerSet", "PersistentVolumeClaim", SERVICE_KIND}
-# Kinds whose metadata.generation moves exactly when their spec does (status updates do not).
-GENERATION_KINDS = {"Deployment", "StatefulSet", "LeaderWorkerSet", "PodDisruptionBudget"}
+# Kinds whose metadata.generation moves exactly when their spec does (status updates do not; an
+# InferencePool's status is written by the gateways that reference it).
+GENERATION_KINDS = {"Deployment", "StatefulSet", "LeaderWorkerSet", "PodDisruptionBudget", "InferencePool"}
 GROUP_LABELS = ("tidepool.dev/group-index", "leaderworkerset.sigs.k8s.io/group-index")
 RANK_LABELS = ("apps.kubernetes.io/pod-index", "leaderworkerset.sigs.k8s.io/worker-index")
 DROPPED_ANNOTATIONS = ("kubectl.kubernetes.io/last-applied-configuration",)
@@ -288,6 +289,7 @@ class Informer:
         self.client, self.store, self.kind = client, store, kind
         self.namespace, self.selector = namespace, selector
         self.synced = asyncio.Event()
+        self.task: asyncio.Task | None = None  # run(), when the controller started it
         self.resource_version = ""
         self.num_lists = 0
         self.num_watches = 0

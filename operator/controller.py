@@ -7,7 +7,8 @@ take keys from the queue (one worker per key at a time; triggers coalesce) and r
 1. read the InferenceService from the cache (gone: forget it; being deleted: nothing to do, the
    garbage collector removes the children through their owner references; a finalizer left by
    an older operator is removed so deletes never wait for us);
-2. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`);
+2. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`); with
+   the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once;
 3. reconcile (reconcile.py). Fast path: when the generation, the autoscaler's replicas and the
    cluster features are those last verified and every child's version (generation for workloads,
    resourceVersion otherwise) is one already verified to match the spec, nothing is built or
@@ -25,6 +26,7 @@ DriftCorrected, Pruned, InvalidSpec, ApplyFailed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -39,6 +41,7 @@ from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, 
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store, compact
 from tidepool.operator.events import EventRecorder
+from tidepool.operator.features import detect_features, refused_optional, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.reconcile import (
     LEGACY_FINALIZER,
@@ -59,9 +62,6 @@ from tidepool.operator.status import Outcome, build_status, downloads_in_progres
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
-FEATURE_TTL_S = 300.0  # how often optional CRDs (LWS, ServiceMonitor) are looked up again
-BASE_KINDS = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget")
-BASE_KINDS += ("PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod")
 Key = tuple[str, str]
 
 
@@ -70,6 +70,7 @@ class ControllerOptions:
     resync_seconds: float = 600.0
     workers: int = 16
     features: ClusterFeatures = field(default_factory=ClusterFeatures)  # options; CRD presence is detected
+    feature_recheck_seconds: float = 300.0  # how often optional CRDs (LWS, ServiceMonitor, InferencePool) are looked up
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class Controller:
         self.num_syncs = 0
         self.num_full = 0
         self.is_synced = False
+        self.recheck_features = asyncio.Event()
 
     # ---- wiring ------------------------------------------------------------------------------
     def _on_change(self, namespace: str, name: str) -> None:
@@ -113,33 +115,32 @@ class Controller:
             selector = None if kind == SERVICE_KIND else CHILD_SELECTOR
             informer = Informer(self.client, self.store, kind, ns, selector)
             self.informers[(kind, ns)] = informer
-            self._tasks.append(asyncio.create_task(informer.run(), name=f"informer {informer.name}"))
+            informer.task = asyncio.create_task(informer.run(), name=f"informer {informer.name}")
+            self._tasks.append(informer.task)
             started.append(informer)
         return started
 
-    async def _detect_features(self) -> ClusterFeatures:
-        from dataclasses import replace
-
-        return replace(
-            self.options.features,
-            has_lws=await self.client.has_kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
-            has_service_monitor=await self.client.has_kind("monitoring.coreos.com/v1", "ServiceMonitor"),
-        )
-
-    def _kinds(self, features: ClusterFeatures) -> list[str]:
-        kinds = [SERVICE_KIND, *BASE_KINDS]
-        if features.has_lws:
-            kinds.append("LeaderWorkerSet")
-        if features.has_service_monitor:
-            kinds.append("ServiceMonitor")
-        return kinds
+    async def _stop_informers(self, kinds: set[str]) -> None:
+        """Stop watching kinds whose CRD went away, and forget their cached objects (they went with it)."""
+        for (kind, ns), informer in list(self.informers.items()):
+            if kind not in kinds:
+                continue
+            del self.informers[(kind, ns)]
+            if informer.task is not None:
+                informer.task.cancel()
+                await asyncio.gather(informer.task, return_exceptions=True)
+                self._tasks.remove(informer.task)
+            for namespace, name in list(self.store.keys_in_scope(kind, ns)):
+                stub = self.store.stub(kind, namespace, name)
+                if stub is not None:
+                    self.store.delete(stub)
 
     async def start(self, autoscaler: Autoscaler | None) -> None:
         """Fill the caches (waits for every initial list), then start workers and timers."""
         self.autoscaler = autoscaler
-        self.features = await self._detect_features()
+        self.features = await detect_features(self.client, self.options.features)
         t0 = time.monotonic()
-        informers = [i for kind in self._kinds(self.features) for i in self._start_informer(kind)]
+        informers = [i for kind in watched_kinds(self.features) for i in self._start_informer(kind)]
         await asyncio.gather(*(i.synced.wait() for i in informers))
         self.is_synced = True
         logger.info(
@@ -170,17 +171,21 @@ class Controller:
         return None
 
     async def _feature_loop(self) -> None:
+        """Discovery again every feature_recheck_seconds, or at once when an optional kind's apply failed."""
         while True:
-            await asyncio.sleep(FEATURE_TTL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.recheck_features.wait(), self.options.feature_recheck_seconds)
+            self.recheck_features.clear()
             try:
-                features = await self._detect_features()
+                features = await detect_features(self.client, self.options.features)
             except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
                 logger.warning("feature discovery failed: %r", exc)
                 continue
             if features == self.features:
                 continue
             logger.info("cluster features changed: %s -> %s", self.features, features)
-            started = [i for kind in self._kinds(features) for i in self._start_informer(kind)]
+            await self._stop_informers(set(watched_kinds(self.features)) - set(watched_kinds(features)))
+            started = [i for kind in watched_kinds(features) for i in self._start_informer(kind)]
             await asyncio.gather(*(i.synced.wait() for i in started))
             self.features = features
             for key in self.store.service_keys():
@@ -275,8 +280,11 @@ class Controller:
                     body = await self.autoscaler.tick(key, body)
                     self.store.put({**body, "kind": SERVICE_KIND})
                 self._wake_for_tick(key, self.autoscaler.seconds_until_due(key))
-            else:
-                self.autoscaler.forget(key)
+            else:  # off or external: forget it, and clear the status.autoscaling an earlier mode left
+                cleared = await self.autoscaler.clear(key, body)
+                if cleared is not body:
+                    body = dict(cleared)
+                    self.store.put({**body, "kind": SERVICE_KIND})
                 self.tick_timers.pop(key, None)
         await self._reconcile(key, body, full)
 
@@ -321,6 +329,8 @@ class Controller:
                 before, _ = observe(desired, {k: v for k, v in observed.items() if k[0] in WORKLOAD_KINDS}, pods)
                 held_router = hold_router(todo, desired, observed, all(p.is_serving_current for p in before))
             applied, error = await apply_all(self.client, todo.apply)
+            if error and refused_optional(todo.apply, applied):
+                self.recheck_features.set()  # its CRD may be gone: discovery now, not at the next period
             for child, obj in applied.items():
                 self.store.put(obj)
                 versions[child] = compact(obj).version

@@ -41,6 +41,7 @@ logger = logging.getLogger("tidepool.operator")
 class OperatorOptions:
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
     resync_seconds: float = 600.0
+    feature_recheck_seconds: float = 300.0  # optional CRDs are looked up again this often
     workers: int = 16
     kube_api_qps: float = 200.0
     kube_api_burst: int = 400
@@ -114,7 +115,12 @@ def register(registry: kopf.OperatorRegistry, creds: Credentials, options: Opera
         )
         controller = Controller(
             client,
-            ControllerOptions(resync_seconds=options.resync_seconds, workers=options.workers, features=features),
+            ControllerOptions(
+                resync_seconds=options.resync_seconds,
+                workers=options.workers,
+                features=features,
+                feature_recheck_seconds=options.feature_recheck_seconds,
+            ),
             options.namespaces,
         )
         http = httpx.AsyncClient()

@@ -51,6 +51,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "ServiceMonitor": ("/apis/monitoring.coreos.com/v1", "servicemonitors"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     "InferenceService": ("/apis/tidepool.dev/v1alpha1", "inferenceservices"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices"),

@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="compare every object with its spec this often (+-10%%), a safety net: watches drive reconciles",
     )
+    parser.add_argument(
+        "--feature-recheck-seconds",
+        type=float,
+        default=300.0,
+        help="look up optional CRDs (LeaderWorkerSet, ServiceMonitor, InferencePool) again this often",
+    )
     parser.add_argument("--workers", type=int, default=16, help="InferenceServices reconciled concurrently")
     parser.add_argument("--kube-api-qps", type=float, default=200.0, help="API requests per second (token bucket)")
     parser.add_argument("--kube-api-burst", type=int, default=400, help="API requests allowed in a burst")
@@ -70,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     positive = (
         ("resync-seconds", args.resync_seconds),
+        ("feature-recheck-seconds", args.feature_recheck_seconds),
         ("gpus-per-node", args.gpus_per_node),
         ("workers", args.workers),
         ("kube-api-burst", args.kube_api_burst),
@@ -114,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = OperatorOptions(
         namespaces=args.namespace,
         resync_seconds=args.resync_seconds,
+        feature_recheck_seconds=args.feature_recheck_seconds,
         workers=args.workers,
         kube_api_qps=args.kube_api_qps,
         kube_api_burst=args.kube_api_burst,

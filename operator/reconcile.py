@@ -250,7 +250,7 @@ def pruned_event(objs: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
 
 async def apply_all(client: KubeClient, objs: Sequence[dict[str, Any]]) -> tuple[dict[ChildKey, dict], str | None]:
     """Apply in two phases, each concurrently: a RoleBinding after its Role (the API server's escalation
-    check reads the Role), workloads after the ServiceAccount and ConfigMap their pods use (else the
+    check reads the Role), workloads after the ServiceAccount their pods use (else the
     first pods are refused and the ReplicaSet backs off). Returns the answers and the first error."""
     results: dict[ChildKey, dict] = {}
     error = None

@@ -100,6 +100,14 @@ _CORE_RULES: tuple[Rule, ...] = (
         ),
         ".replicas",
     ),
+    Rule(  # the API server answers GET .../scale with an error while spec.replicas is unset
+        s.InferenceServiceSpec,
+        "self.autoscaling.mode != 'external' || has(self.replicas)",
+        "autoscaling.mode external needs spec.replicas (the scale subresource's field: an HPA or KEDA reads it "
+        "through GET .../scale, which fails while it is unset)",
+        lambda x: x.autoscaling.mode != "external" or x.replicas is not None,
+        ".replicas",
+    ),
     Rule(
         s.InferenceServiceSpec,
         "self.resources.gpusPerReplica == self.parallelism.tensor * self.parallelism.pipeline || "

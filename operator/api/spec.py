@@ -19,6 +19,7 @@ from pydantic import Field, StringConstraints
 
 from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
+from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, Toleration
 from tidepool.operator.api.types import IntOrPercent, Quantity
@@ -306,6 +307,9 @@ class InferenceServiceSpec(ApiModel):
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Pod-level overrides.")
     model_cache: ModelCache | None = Field(
         default=None, description="Where pods keep downloaded weights; unset: a per-pod emptyDir (default sizeLimit)."
+    )
+    inference_pool: InferencePoolSpec | None = Field(
+        default=None, description="A Gateway API Inference Extension InferencePool over the serving pods; unset: none."
     )
 
     def pool_names(self) -> tuple[str, ...]:

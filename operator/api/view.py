@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.rules import validate_spec
@@ -130,6 +131,10 @@ class ServiceView:
     @property
     def model_cache(self) -> ModelCache | None:
         return self.spec.model_cache
+
+    @property
+    def inference_pool(self) -> InferencePoolSpec | None:
+        return self.spec.inference_pool
 
     @property
     def quantization(self) -> str | None:

@@ -8,8 +8,10 @@ mode, lastScaleTime, lastDecision, per-pool desiredReplicas and inputs, `limited
 stabilization state (recent recommendations, lastActiveTime). In active mode the reconcile that
 follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas()`); in advisory
 mode nothing but status, an Event and the metrics change. With autoscaling disabled, or in external mode,
-the autoscaler never ticks (no scrape, no status, no replicas): the spec's replicas apply and HPA/KEDA
-drive the scale subresource (`spec.replicas`, the scaled pool's).
+the autoscaler never ticks (no scrape, no decision, no replicas): the spec's replicas apply and HPA/KEDA
+drive the scale subresource (`spec.replicas`, the scaled pool's); `clear` removes what an earlier mode
+left in `status.autoscaling` and the service's metric series. A switch between active and advisory
+starts afresh: the other mode's stabilization state, lastScaleTime and metric series are dropped.
 
 Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
 operator resumes from it without scaling anything down: replicas come from status, and the
@@ -193,11 +195,35 @@ class Autoscaler:
         self.histories: dict[Key, History] = {}
         self.next_tick: dict[Key, float] = {}
         self.written_at: dict[Key, float] = {}
+        self.series: dict[Key, set[tuple[Any, tuple[str, ...]]]] = {}  # (metric, label values) set per key
 
     def forget(self, key: Key) -> None:
+        """Drop what is kept in memory for `key`, and its metric series (a scrape must not see stale ones)."""
         for table in (self.histories, self.next_tick, self.written_at):
             table.pop(key, None)
         self.collector.forget(*key)
+        self._drop_series(key)
+
+    def _observe(self, key: Key, metric: Any, labels: tuple[str, ...]) -> Any:
+        self.series.setdefault(key, set()).add((metric, labels))
+        return metric.labels(*labels)
+
+    def _drop_series(self, key: Key) -> None:
+        for metric, labels in self.series.pop(key, set()):
+            metric.remove(*labels)  # a no-op when already gone
+
+    async def clear(self, key: Key, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The autoscaler no longer ticks for `key` (disabled, or external mode): forget it, and remove the
+        `status.autoscaling` an earlier mode left (it is no longer applied, and would mislead a reader or a
+        KEDA scaler reading it). Returns the object as updated (or `body` when nothing was stale)."""
+        self.forget(key)
+        if not (body.get("status") or {}).get("autoscaling"):
+            return body
+        namespace, name = key
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        logger.info("[%s/%s] autoscaler off: clearing status.autoscaling", namespace, name)
+        updated = await self.client.patch_status(KIND, namespace, name, {"autoscaling": None}, version)
+        return updated or body
 
     def seconds_until_due(self, key: Key) -> float:
         return max(self.next_tick.get(key, 0.0) - self.clock(), 0.0)
@@ -230,7 +256,14 @@ class Autoscaler:
             return body
         spec = dict(body.get("spec") or {})
         pools = pool_names(spec)
-        previous = (body.get("status") or {}).get("autoscaling") or {}
+        written = (body.get("status") or {}).get("autoscaling") or {}
+        previous = written
+        if written.get("mode") and written["mode"] != (spec.get("autoscaling") or {}).get("mode", "active"):
+            # active <-> advisory: the other mode's decisions, stabilization state and series are stale.
+            logger.info("[%s/%s] autoscaling mode changed from %s: starting afresh", namespace, name, written["mode"])
+            self.histories.pop(key, None)
+            self._drop_series(key)
+            previous = {}
         history = self.histories.get(key) or restore_history(previous, now)
         await self.collector.collect(namespace, name, pools, now)
         snapshots = self.collector.snapshots(namespace, name, pools)
@@ -239,20 +272,22 @@ class Autoscaler:
         mode = "advisory" if decision.is_advisory else "active"
         recorded = (body.get("status") or {}).get("pools") or {}
         for pool, d in decision.pools.items():
-            DESIRED.labels(namespace, name, pool).set(d.desired)
-            CURRENT.labels(namespace, name, pool).set(d.current)
-            READY.labels(namespace, name, pool).set(int((recorded.get(pool) or {}).get("readyReplicas", 0)))
-        DECISIONS.labels(namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
+            self._observe(key, DESIRED, (namespace, name, pool)).set(d.desired)
+            self._observe(key, CURRENT, (namespace, name, pool)).set(d.current)
+            ready = int((recorded.get(pool) or {}).get("readyReplicas", 0))
+            self._observe(key, READY, (namespace, name, pool)).set(ready)
+        action = "scale" if decision.is_scaling else "hold"
+        self._observe(key, DECISIONS, (namespace, name, mode, action)).inc()
         if decision.is_scaling:
             reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
             logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
             await self.event(body, "Normal", reason, decision.reason[:1000])
         new = autoscaling_status(decision, snapshots, previous, now)
         stale = now - self.written_at.get(key, float("-inf")) >= PERSIST_S
-        if _material(new) == _material(previous) and not stale:
+        if _material(new) == _material(written) and not stale:
             return body
-        auto_patch: dict[str, Any] = {**{k: None for k in previous if k not in new}, **new}
-        gone = {p: None for p in previous.get("pools") or {} if p not in new["pools"]}
+        auto_patch: dict[str, Any] = {**{k: None for k in written if k not in new}, **new}
+        gone = {p: None for p in written.get("pools") or {} if p not in new["pools"]}
         if gone:  # a merge patch keeps map keys it does not mention
             auto_patch["pools"] = {**new["pools"], **gone}
         patch = {"autoscaling": auto_patch}

@@ -7,7 +7,8 @@ give the same output, byte for byte once dumped with sorted keys.
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
 Service, ServiceAccount, Role and RoleBinding; the model-cache claim when
-`modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists.
+`modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists; an
+InferencePool when its CRD exists and `spec.inferencePool` names an Endpoint Picker (inference_pool.py).
 `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
 """
 
@@ -21,6 +22,7 @@ from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
 from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, ClusterFeatures, selector_labels, spec_hash
 from .engine import pool_workloads, topology
+from .inference_pool import inference_pool
 from .network import (
     cache_claim,
     headless_service,
@@ -50,6 +52,7 @@ KIND_ORDER = (
     "StatefulSet",
     "LeaderWorkerSet",
     "ServiceMonitor",
+    "InferencePool",
 )
 
 __all__ = [
@@ -120,6 +123,9 @@ def build_children(
     children.append(router_service(name, namespace))
     if features.has_service_monitor:
         children.append(service_monitor(name, namespace))
+    gateway_pool = inference_pool(name, namespace, view, features)
+    if gateway_pool:
+        children.append(gateway_pool)
     if owner:
         for child in children:
             ref = dict(owner)

@@ -27,6 +27,10 @@ KV_PORT = 14579
 MASTER_PORT = 29500
 RUN_AS_ID = 1000
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+# llm-d's inference scheduler (an Endpoint Picker) routes prefill and decode by this pod label; "both"
+# marks a unified replica, which it treats as able to do either (llm-d-inference-scheduler's filters).
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+LLMD_ROLES = {"unified": "both", "prefill": "prefill", "decode": "decode"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,7 @@ class ClusterFeatures:
 
     has_lws: bool = False  # the LeaderWorkerSet CRD is installed
     has_service_monitor: bool = False  # the Prometheus operator's ServiceMonitor CRD is installed
+    has_inference_pool: bool = False  # the Gateway API Inference Extension's InferencePool (v1) CRD is installed
     gpus_per_node: int = 8
     engine_image: str = DEFAULT_ENGINE_IMAGE  # for services without spec.engine.image (--engine-image)
     router_image: str | None = None  # default: the engine image (it ships `tidepool router`)
@@ -62,13 +67,17 @@ def selector_labels(service: str, pool: str) -> dict[str, str]:
 
 
 def labels(service: str, pool: str, component: str) -> dict[str, str]:
-    return {
+    """Labels of every child; engine children (and so engine pods) also carry llm-d's role label."""
+    out = {
         "app.kubernetes.io/name": "tidepool",
         "app.kubernetes.io/instance": service,
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
         **selector_labels(service, pool),
     }
+    if component == "engine" and pool in LLMD_ROLES:
+        out[LLMD_ROLE_LABEL] = LLMD_ROLES[pool]
+    return out
 
 
 def metadata(name: str, namespace: str, lbls: dict[str, str], annotations: dict[str, str] | None = None) -> dict:

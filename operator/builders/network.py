@@ -38,12 +38,18 @@ from .overrides import container_resources, wire
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
-def pool_service(name: str, namespace: str, pool: str, topo: Topology) -> dict[str, Any]:
+def serving_selector(name: str, pool: str, topo: Topology) -> dict[str, str]:
+    """Labels of the pool's pods that serve HTTP: every pod, or only rank 0 of each multi-node replica."""
     selector = selector_labels(name, pool)
     if topo.workload == "LeaderWorkerSet":
         selector[LWS_WORKER_INDEX_LABEL] = "0"
     elif topo.workload == "StatefulSet":
         selector[POD_INDEX_LABEL] = "0"
+    return dict(sorted(selector.items()))
+
+
+def pool_service(name: str, namespace: str, pool: str, topo: Topology) -> dict[str, Any]:
+    selector = serving_selector(name, pool, topo)
     ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
     if pool in ("prefill", "decode"):
         ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})

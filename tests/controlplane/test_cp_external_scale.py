@@ -34,7 +34,9 @@ def test_the_operator_never_fights_an_external_scaler(control_plane, cp_namespac
     feed.body = lambda namespace, service, pool: (scraped.append(service), body(namespace, service, pool))[1]
     feed.set("unified", kv=0.95, requests=5)  # an active autoscaler would grow the pool at once
     pool = {"replicas": 1, "minReplicas": 1, "maxReplicas": 6}
-    apply(control_plane, cp_namespace, isvc(name, {"mode": "external", "kvCacheTarget": 0.5}, pool, gpus=1))
+    obj = isvc(name, {"mode": "external", "kvCacheTarget": 0.5}, pool, gpus=1)
+    obj["spec"]["replicas"] = 1  # external mode needs it: HPA and KEDA read it through GET .../scale
+    apply(control_plane, cp_namespace, obj)
     wait_until(lambda: deployment_replicas(control_plane, cp_namespace, name) == 1, 60, "the pool at 1 replica")
     for replicas in (3, 2):
         control_plane.kubectl("scale", "inferenceservice", name, "-n", cp_namespace, f"--replicas={replicas}")

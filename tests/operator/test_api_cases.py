@@ -84,6 +84,12 @@ INVALID_CASES: tuple[Case, ...] = (
         "rule",
         base="disaggregated",
     ),
+    Case(
+        "external-without-replicas",
+        _set("spec.autoscaling", {"enabled": False, "mode": "external"}),
+        _rule("autoscaling.mode external needs"),
+        "rule",
+    ),
     Case("tp-vs-gpus", _set("spec.parallelism.tensor", 2), _rule("resources.gpusPerReplica must equal"), "rule"),
     Case("uri-scheme", _set("spec.model.uri", "http://example.com/model"), _rule("model.uri must be"), "rule"),
     Case("file-uri", _set("spec.model.uri", "file:///models/tiny"), _rule("model.uri file://"), "rule"),
