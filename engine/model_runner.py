@@ -3,8 +3,9 @@
 It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
 head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
 slot mapping, block tables and masks once per step, runs the model, computes logits only
-for the sequences that sample this step, and hands those to the sampler. On CPU it first
-stores the model's wide projections [in, out] (`layers.weight_layout`), once, at construction.
+for the sequences that sample this step, and hands those to the sampler. On CPU, when the compiled
+GEMV is unavailable (`layers.linear`), it first stores the model's wide projections [in, out]
+(`layers.weight_layout`), once, at construction.
 
 On CUDA, host lists become device tensors through pinned memory with non-blocking copies, and
 decode-only steps replay a CUDA graph per batch-size bucket (`cuda_graphs`; off with
@@ -28,6 +29,7 @@ from .layers.attention_backend import (
     cpu_kernel_available,
 )
 from .layers.attention_metadata import AttentionMetadata, PrefillChunk
+from .layers.linear import uses_compiled_gemv
 from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
 from .request import Request
@@ -65,8 +67,8 @@ class ModelRunner:
         self.sampler = sampler
         # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
         self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
-        if device.type == "cpu" and isinstance(model, torch.nn.Module):
-            apply_weight_layout(model)  # per-shape [in, out] storage: faster single-token matmuls
+        if device.type == "cpu" and isinstance(model, torch.nn.Module) and not uses_compiled_gemv():
+            apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
         if graph_backend is None and _graphs_wanted(model, device):
             graph_backend = CudaGraphBackend(device)
         self.graphs: DecodeGraphs | None = None

@@ -1,7 +1,8 @@
 """Compiled CPU ops for the engine's hot path, built on first use and cached per machine.
 
 Today: paged attention that reads the KV cache in place (`paged_attention.py` binds
-`paged_attention.cpp` and the headers beside it).
+`paged_attention.cpp` and the headers beside it), and the small-batch float32 GEMV of decode's
+projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of
@@ -13,11 +14,12 @@ linking torch's own OpenMP runtime so the op shares torch's thread pool and thre
 price: the op is an opaque Python call (not a `torch.library` op), so `torch.compile` graph-breaks
 around it; the engine does not compile the attention call.
 
-Which path runs is decided once per process, on first use, and logged in one line:
+Which path runs is decided once per process and op, on first use, and logged in one line:
 
     TIDEPOOL_CPU_ATTENTION=auto      (default) the compiled op; the torch path when it cannot be built
     TIDEPOOL_CPU_ATTENTION=torch     always the torch path (reference, benchmarks, an off-switch)
     TIDEPOOL_CPU_ATTENTION=compiled  the compiled op or an error (CI and benchmarks that must measure it)
+    TIDEPOOL_CPU_GEMV=auto|torch|compiled   the same for the GEMV (torch: F.linear everywhere)
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 """
@@ -27,57 +29,77 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from .build import BuildUnavailable, build_library
+from .gemv import CpuGemv
 from .paged_attention import CpuPagedAttention
 
-__all__ = ["MODES", "MODE_ENV", "CpuPagedAttention", "paged_attention_op", "reset"]
+__all__ = [
+    "GEMV_MODE_ENV",
+    "MODES",
+    "MODE_ENV",
+    "CpuGemv",
+    "CpuPagedAttention",
+    "gemv_op",
+    "paged_attention_op",
+    "reset",
+]  # fmt: skip
 
 MODE_ENV = "TIDEPOOL_CPU_ATTENTION"
+GEMV_MODE_ENV = "TIDEPOOL_CPU_GEMV"
 MODES = ("auto", "torch", "compiled")
 
 logger = logging.getLogger(__name__)
+Op = TypeVar("Op", CpuPagedAttention, CpuGemv)
 
 _lock = threading.Lock()
-_resolved = False
-_op: CpuPagedAttention | None = None
+_resolved: dict[str, CpuPagedAttention | CpuGemv | None] = {}
 
 
 def paged_attention_op() -> CpuPagedAttention | None:
-    """The compiled op, or None where the torch path is to be used (decided once, logged once)."""
-    global _resolved, _op
-    if _resolved:
-        return _op
-    with _lock:
-        if not _resolved:
-            _op = _resolve()
-            _resolved = True
-    return _op
+    """The compiled attention op, or None where the torch path is to be used (decided once, logged once)."""
+    return _op("CPU attention", MODE_ENV, "paged_attention", CpuPagedAttention)
+
+
+def gemv_op() -> CpuGemv | None:
+    """The compiled small-batch GEMV, or None where F.linear is to be used (decided once, logged once)."""
+    return _op("CPU GEMV", GEMV_MODE_ENV, "gemv", CpuGemv)
 
 
 def reset() -> None:
-    """Forget the decision so the next call re-reads the environment (tests, benchmarks)."""
-    global _resolved, _op
+    """Forget the decisions so the next call re-reads the environment (tests, benchmarks)."""
     with _lock:
-        _resolved, _op = False, None
+        _resolved.clear()
 
 
-def _resolve() -> CpuPagedAttention | None:
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+def _op(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> Op | None:
+    if name in _resolved:
+        return _resolved[name]  # type: ignore[return-value]
+    with _lock:
+        if name not in _resolved:
+            _resolved[name] = _resolve(label, env, name, factory)
+    return _resolved[name]  # type: ignore[return-value]
+
+
+def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> Op | None:
+    mode = os.environ.get(env, "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)}")
+        raise ValueError(f"{env}={mode!r}: expected one of {', '.join(MODES)}")
     if mode == "torch":
-        logger.info("CPU attention: torch path (%s=torch)", MODE_ENV)
+        logger.info("%s: torch path (%s=torch)", label, env)
         return None
     try:
-        built = build_library("paged_attention", "paged_attention.cpp")
-        op = CpuPagedAttention(built.path)
+        built = build_library(name, f"{name}.cpp")
+        op = factory(built.path)
     except (BuildUnavailable, OSError, RuntimeError) as err:
         if mode == "compiled":
-            raise RuntimeError(f"{MODE_ENV}=compiled but the CPU attention op is unavailable: {err}") from err
-        logger.warning("CPU attention: torch path, the compiled op is unavailable (%s)", err)
+            raise RuntimeError(f"{env}=compiled but the {label} op is unavailable: {err}") from err
+        logger.warning("%s: torch path, the compiled op is unavailable (%s)", label, err)
         return None
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
     action = "built" if built.built_now else "cached"
-    logger.info("CPU attention: compiled op (%s %s; %s)", action, built.path, threads)
+    logger.info("%s: compiled op (%s %s; %s)", label, action, built.path, threads)
     return op

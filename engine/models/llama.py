@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..layers.attention_backend import paged_attention
 from ..layers.attention_metadata import AttentionMetadata
+from ..layers.linear import linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary_
 
@@ -53,13 +54,13 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         # q and k are adjacent in the fused output: rotate both heads at once, in place.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = apply_rotary_(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return linear(attn.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
 
 class LlamaMLP(nn.Module):
@@ -73,8 +74,8 @@ class LlamaMLP(nn.Module):
         self.down_bias = _param(config.hidden_size, dtype=dt, device=device) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -145,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

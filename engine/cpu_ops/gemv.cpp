@@ -1,0 +1,105 @@
+// Small-batch float32 matrix-vector products for decode: y[b, o] = sum_i x[b, i] * w[o, i].
+//
+// Decode at batch 1..8 is bound by reading the weights once per step; a GEMM library tuned for big
+// products leaves a good part of the read bandwidth unused at these shapes. Here every weight row
+// (contiguous, [out, in] row-major) is read exactly once and multiplied with each of the `batch`
+// input rows while it is in registers/L1; the inputs (batch x in floats) stay in L1/L2. Threads take
+// blocks of 32 output rows from a shared counter (dynamic schedule): with a busy neighbour on one
+// core, a static split would make every call wait for the thread that core delays; a block is
+// 32 x in floats streamed contiguously, so the counter costs one atomic per tens of KB read.
+//
+// Accumulation is in float32 with independent vector accumulators per input row (FMA latency hiding),
+// then one horizontal sum; results differ from a BLAS GEMM only by summation order. Threads: the
+// caller passes torch's intra-op count (the library shares torch's OpenMP runtime, see build.py).
+#include <cstdint>
+
+#include "vec.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace tidepool {
+namespace {
+
+constexpr int MAX_BATCH = 8;
+
+// Independent accumulators per input row: enough to hide FMA latency, few enough that B x U of them
+// plus the weight vectors fit the 16 vector registers of AVX2 (no spills at B = 8).
+template <int B>
+constexpr int accumulators() {
+  return B == 1 ? 4 : (B == 2 ? 2 : 1);
+}
+
+// One output row for `B` inputs: U accumulators per input over U*W-float chunks, then W, then scalars.
+template <int B>
+inline void row_dot(const float* w, const float* x, int64_t ldx, int64_t in, float* out) {
+  constexpr int U = accumulators<B>();
+  vf acc[B][U];
+  for (int b = 0; b < B; ++b)
+    for (int u = 0; u < U; ++u) acc[b][u] = vf{};
+  int64_t i = 0;
+  for (; i + U * W <= in; i += U * W) {
+    vf wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load(w + i + u * W);
+    for (int b = 0; b < B; ++b)
+      for (int u = 0; u < U; ++u) acc[b][u] += wv[u] * load(x + b * ldx + i + u * W);
+  }
+  for (; i + W <= in; i += W) {
+    const vf wv = load(w + i);
+    for (int b = 0; b < B; ++b) acc[b][0] += wv * load(x + b * ldx + i);
+  }
+  for (int b = 0; b < B; ++b) {
+    vf s = acc[b][0];
+    for (int u = 1; u < U; ++u) s += acc[b][u];
+    float total = 0.0f;
+    for (int l = 0; l < W; ++l) total += s[l];
+    for (int64_t j = i; j < in; ++j) total += w[j] * x[b * ldx + j];
+    out[b] = total;
+  }
+}
+
+template <int B>
+void gemv_rows(const float* w, const float* x, float* y, int64_t rows, int64_t in, int64_t ldx, int64_t ldy,
+               int num_threads) {
+#pragma omp parallel for schedule(dynamic, 32) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t o = 0; o < rows; ++o) {
+    float out[B];
+    row_dot<B>(w + o * in, x, ldx, in, out);
+    for (int b = 0; b < B; ++b) y[b * ldy + o] = out[b];
+  }
+}
+
+using GemvFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);
+constexpr GemvFn KERNELS[MAX_BATCH + 1] = {
+    nullptr,          gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
+    gemv_rows<5>,     gemv_rows<6>, gemv_rows<7>, gemv_rows<8>,
+};
+
+}  // namespace
+}  // namespace tidepool
+
+#define TP_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_BATCH; }
+
+TP_EXPORT int tp_gemv_has_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// w: [rows, in] row-major; x: [batch, in] with row stride ldx; y: [batch, rows] with row stride ldy.
+// Returns 0, or -1 for arguments it does not take (the caller checks them first; this is a backstop).
+TP_EXPORT int tp_gemv_f32(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
+                          int64_t ldx, int64_t ldy, int32_t num_threads) {
+  if (batch < 1 || batch > tidepool::MAX_BATCH || rows < 1 || in < 1 || ldx < in || ldy < rows) return -1;
+  tidepool::KERNELS[batch](w, x, y, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
+  return 0;
+}
+
+}  // extern "C"

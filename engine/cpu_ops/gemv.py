@@ -1,0 +1,71 @@
+"""Python binding of the compiled small-batch float32 GEMV (`gemv.cpp`): decode's projections on CPU.
+
+`CpuGemv(path)` loads a built library with ctypes. `gemv(x, weight)` computes `x @ weight.T` for a
+float32 `x` of 1..`max_batch` rows and a contiguous float32 `[out, in]` weight, with torch's current
+intra-op thread count and the GIL released; `accepts(x, weight)` says whether a call qualifies (the
+caller falls back to `F.linear` otherwise: prefill, big batches, other dtypes, quantized or sliced
+weights).
+
+Why: at 2-8 rows torch's CPU GEMM reads the weights at a fraction of the bandwidth it reaches at one
+row (measured in bench/gemv.py), so a decode batch of a few requests cost several times one request
+although the weights are read once either way. The kernel reads each weight row once per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+_ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+
+
+class CpuGemv:
+    """The loaded op (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        lib.tp_gemv_max_batch.restype = ctypes.c_int
+        lib.tp_gemv_has_openmp.restype = ctypes.c_int
+        lib.tp_gemv_f32.restype = ctypes.c_int
+        lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
+        self._fn = lib.tp_gemv_f32
+        self.max_batch = int(lib.tp_gemv_max_batch())
+        self.has_openmp = bool(lib.tp_gemv_has_openmp())
+
+    def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (
+            type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized weight (it answers F.linear)
+            and weight.dtype == torch.float32
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and weight.device.type == "cpu"
+            and weight.dim() == 2
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= self.max_batch
+            and x.shape[1] == weight.shape[1]
+            and x.stride(1) == 1
+            and (x.shape[0] == 1 or x.stride(0) >= x.shape[1])
+            and weight.is_contiguous()
+            and not (x.requires_grad or weight.requires_grad)
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.accepts(x, weight):
+            raise ValueError(
+                f"gemv takes float32 x [1..{self.max_batch}, in] (unit stride) and a contiguous float32 [out, in] "
+                f"weight; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
+                f"{weight.dtype} contiguous={weight.is_contiguous()}"
+            )
+        rows, cols = weight.shape
+        y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        code = self._fn(
+            weight.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], rows, cols,
+            x.stride(0) if x.shape[0] > 1 else cols, rows,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"tp_gemv_f32 refused its arguments (code {code})")
+        return y

@@ -1,0 +1,82 @@
+"""The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them.
+
+Random shapes cover every batch the kernel takes (1..8), inner sizes that are and are not multiples
+of the vector width and of the unrolled chunk, strided inputs, and the real model's widths; values
+must agree with F.linear to float32 summation-order tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidepool.engine import cpu_ops
+from tidepool.engine.layers import linear as linear_mod
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def op() -> cpu_ops.CpuGemv:
+    found = cpu_ops.gemv_op()
+    if found is None:
+        pytest.skip("no C++ compiler here: the compiled GEMV is unavailable (the torch path is tested elsewhere)")
+    return found
+
+
+def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
+    tol = 1e-5 * max(1.0, inner**0.5)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("batch", range(1, 9))
+@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536)])
+def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
+    gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
+    w = torch.randn(rows, inner, generator=gen)
+    x = torch.randn(batch, inner, generator=gen)
+    close(op(x, w), F.linear(x, w), inner)
+
+
+def test_strided_rows_and_bias_through_linear(op: cpu_ops.CpuGemv) -> None:
+    gen = torch.Generator().manual_seed(7)
+    wide = torch.randn(4, 300, generator=gen)
+    x = wide[:, :259]  # row stride 300, unit column stride
+    w, b = torch.randn(50, 259, generator=gen), torch.randn(50, generator=gen)
+    assert op.accepts(x, w)
+    close(linear_mod.linear(x, w, b), F.linear(x, w, b), 259)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["nine-rows", "bfloat16", "transposed-weight", "column-strided-x", "three-dims"],
+)
+def test_everything_else_is_f_linear(op: cpu_ops.CpuGemv, case: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 40, generator=gen), torch.randn(24, 40, generator=gen)
+    if case == "nine-rows":
+        x = torch.randn(9, 40, generator=gen)
+    elif case == "bfloat16":
+        x, w = x.bfloat16(), w.bfloat16()
+    elif case == "transposed-weight":
+        w = w.t().contiguous().t()  # the [in, out] storage weight_layout makes for the torch path
+    elif case == "column-strided-x":
+        x = torch.randn(2, 80, generator=gen)[:, ::2]
+    else:
+        x = x.unsqueeze(0)
+    assert not op.accepts(x if x.dim() == 2 else x[0], w) or case == "three-dims"
+    with pytest.raises(ValueError):
+        op(x, w)
+    torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
+
+
+def test_torch_mode_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_ops.GEMV_MODE_ENV, "torch")
+    cpu_ops.reset()
+    try:
+        assert cpu_ops.gemv_op() is None and not linear_mod.uses_compiled_gemv()
+        x, w = torch.randn(2, 16), torch.randn(8, 16)
+        torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
+    finally:
+        cpu_ops.reset()
