@@ -1,6 +1,6 @@
 """The engine's dense projections: `linear(x, weight, bias)`, F.linear's contract, faster at decode on CPU.
 
-A float32 call with 1..8 rows on the CPU (decode of a few sequences) goes to the compiled GEMV
+A float32 call with 1..`max_batch` (8) rows on the CPU (decode of a few sequences) goes to the compiled GEMV
 (`engine/cpu_ops/gemv.py`) when it is available and the weight is a contiguous `[out, in]` tensor;
 everything else (prefill, big batches, other dtypes, accelerators, quantized weights, TP-sliced
 views) is `F.linear` itself. The two differ only in float summation order.
@@ -24,7 +24,7 @@ def uses_compiled_gemv() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] <= 8:
+    if x.device.type == "cpu" and x.dtype == torch.float32:  # cheap checks first; the op checks the rest
         op = cpu_ops.gemv_op()
         if op is not None and op.accepts(x, weight):
             y = op(x, weight)
