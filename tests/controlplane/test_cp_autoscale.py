@@ -17,15 +17,25 @@ import yaml
 from autoscale_feed import Feed, feed_server
 from kubernetes import client
 from test_cp_operator_support import (
+    NodeLeaseKeeper,
     OperatorProcess,
     condition,
     free_port,
     get_isvc,
+    install_crd,
+    operator_identity,
     pod_is_ready,
     wait_until,
 )
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("autoscale-identity"))
 
 
 @pytest.fixture

@@ -13,11 +13,12 @@ import time
 
 import httpx
 import pytest
-from test_cp_autoscale import (  # noqa: F401  (feed and operator are fixtures)
+from test_cp_autoscale import (  # noqa: F401  (feed, identity, operator are fixtures)
     apply,
     autoscaling_status,
     deployment_replicas,
     feed,
+    identity,
     isvc,
     operator,
 )

@@ -17,11 +17,12 @@ import time
 import pytest
 import yaml
 from metrics_api_stub import MetricsStub, register, unregister
-from test_cp_autoscale import (  # noqa: F401  (feed and operator are fixtures)
+from test_cp_autoscale import (  # noqa: F401  (feed, identity, operator are fixtures)
     apply,
     autoscaling_status,
     deployment_replicas,
     feed,
+    identity,
     isvc,
     operator,
 )

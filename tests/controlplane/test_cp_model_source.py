@@ -24,11 +24,14 @@ from download_stub import REPO, StubHub
 from kubernetes import client
 from test_cp_operator_support import (
     TIDEPOOL,
+    NodeLeaseKeeper,
     OperatorProcess,
     condition,
     get_isvc,
+    install_crd,
     is_ready,
     load_example,
+    operator_identity,
     pods,
     restricted_namespace,
     wait_until,
@@ -37,6 +40,13 @@ from test_cp_operator_support import (
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 SECRET = "hf-token"
 SECRET_VALUE = f"hf_tidepoolcp_{uuid.uuid4().hex}"  # distinctive: must never leave the Secret
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("model-source-identity"))
 
 
 @pytest.fixture

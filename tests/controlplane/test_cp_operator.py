@@ -11,14 +11,17 @@ from typing import Any
 import pytest
 import yaml
 from test_cp_operator_support import (
+    NodeLeaseKeeper,
     OperatorProcess,
     bind_claims,
     children,
     claims_in,
     condition,
     get_isvc,
+    install_crd,
     is_ready,
     load_example,
+    operator_identity,
     pod_is_ready,
     pods,
     restricted_namespace,
@@ -31,6 +34,13 @@ from tidepool.operator.builders import ServiceView, build_children
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
 SAMPLES = ("inferenceservice-unified.yaml", "inferenceservice-disaggregated.yaml")
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
 
 
 @pytest.fixture

@@ -13,10 +13,13 @@ from kubernetes import client
 from test_cp_operator_support import (
     LEASE_NAME,
     OPERATOR_NAMESPACE,
+    NodeLeaseKeeper,
     OperatorProcess,
     children,
     get_isvc,
+    install_crd,
     is_ready,
+    operator_identity,
     pods,
     restricted_namespace,
     wait_until,
@@ -24,6 +27,13 @@ from test_cp_operator_support import (
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
 TAKEOVER_S = 30.0  # the requirement; the defaults (15 s lease, 5 s polls) give ~20 s
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("ha-identity"))
 
 
 def lease_holder(cluster) -> str | None:

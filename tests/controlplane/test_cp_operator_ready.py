@@ -19,11 +19,14 @@ from typing import Any
 import pytest
 import yaml
 from test_cp_operator_support import (
+    NodeLeaseKeeper,
     OperatorProcess,
     children,
     condition,
     get_isvc,
+    install_crd,
     is_ready,
+    operator_identity,
     pod_is_ready,
     pods,
     restricted_namespace,
@@ -35,6 +38,13 @@ from controlplane_fixture import load_devcluster
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(600)]
 NODE_LABEL = "tidepool.dev/test-pool"
 HASH = "tidepool.dev/spec-hash"
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("ready-identity"))
 
 
 @pytest.fixture

@@ -14,14 +14,17 @@ import pytest
 import yaml
 from kubernetes import client
 from test_cp_operator_support import (
+    NodeLeaseKeeper,
     OperatorProcess,
     bind_claims,
     children,
     claims_in,
     custom_api,
     get_isvc,
+    install_crd,
     is_ready,
     load_example,
+    operator_identity,
     pod_is_ready,
     pods,
     restricted_namespace,
@@ -84,6 +87,13 @@ ROUTER = {
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     "resources": {"requests": {"cpu": "100m"}, "limits": {"memory": "512Mi"}},
 }
+
+
+@pytest.fixture(scope="module")
+def identity(control_plane, tmp_path_factory):
+    install_crd(control_plane)
+    with NodeLeaseKeeper(control_plane):
+        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
 
 
 @pytest.fixture
