@@ -2,7 +2,9 @@
 
 Today: paged attention that reads the KV cache in place (`paged_attention.py` binds
 `paged_attention.cpp` and the headers beside it), and the small-batch float32 GEMV of decode's
-projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it).
+projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it); the fused elementwise
+work of a layer (`fused.py` binds `fused.cpp`: RMSNorm with the residual add, SwiGLU, rotary, the KV
+store; `engine/layers/` calls them).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of
@@ -20,6 +22,7 @@ Which path runs is decided once per process and op, on first use, and logged in 
     TIDEPOOL_CPU_ATTENTION=torch     always the torch path (reference, benchmarks, an off-switch)
     TIDEPOOL_CPU_ATTENTION=compiled  the compiled op or an error (CI and benchmarks that must measure it)
     TIDEPOOL_CPU_GEMV=auto|torch|compiled   the same for the GEMV (torch: F.linear everywhere)
+    TIDEPOOL_CPU_FUSED=auto|torch|compiled  the same for the fused elementwise ops
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 """
@@ -34,15 +37,19 @@ from pathlib import Path
 from typing import TypeVar
 
 from .build import BuildUnavailable, build_library
+from .fused import CpuFused
 from .gemv import CpuGemv
 from .paged_attention import CpuPagedAttention
 
 __all__ = [
+    "FUSED_MODE_ENV",
     "GEMV_MODE_ENV",
     "MODES",
     "MODE_ENV",
+    "CpuFused",
     "CpuGemv",
     "CpuPagedAttention",
+    "fused_op",
     "gemv_op",
     "paged_attention_op",
     "reset",
@@ -50,13 +57,14 @@ __all__ = [
 
 MODE_ENV = "TIDEPOOL_CPU_ATTENTION"
 GEMV_MODE_ENV = "TIDEPOOL_CPU_GEMV"
+FUSED_MODE_ENV = "TIDEPOOL_CPU_FUSED"
 MODES = ("auto", "torch", "compiled")
 
 logger = logging.getLogger(__name__)
-Op = TypeVar("Op", CpuPagedAttention, CpuGemv)
+Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused)
 
 _lock = threading.Lock()
-_resolved: dict[str, CpuPagedAttention | CpuGemv | None] = {}
+_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | None] = {}
 
 
 def paged_attention_op() -> CpuPagedAttention | None:
@@ -67,6 +75,11 @@ def paged_attention_op() -> CpuPagedAttention | None:
 def gemv_op() -> CpuGemv | None:
     """The compiled small-batch GEMV, or None where F.linear is to be used (decided once, logged once)."""
     return _op("CPU GEMV", GEMV_MODE_ENV, "gemv", CpuGemv)
+
+
+def fused_op() -> CpuFused | None:
+    """The compiled fused elementwise ops, or None where torch's are to be used (decided once, logged once)."""
+    return _op("CPU fused ops", FUSED_MODE_ENV, "fused", CpuFused)
 
 
 def reset() -> None:

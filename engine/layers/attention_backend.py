@@ -38,6 +38,10 @@ MAX_KERNEL_HEAD_DIM = 256  # the Triton kernels hold a head row in registers; la
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
+    if k.dtype == torch.float32 and k.device.type == "cpu":  # a float32 cache: one compiled copy when available
+        op = cpu_ops.fused_op()
+        if op is not None and op.store_kv(k, v, k_cache, v_cache, slots):
+            return
     dispatch.store_kv(k, v, k_cache, v_cache, slots)
 
 

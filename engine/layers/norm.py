@@ -1,7 +1,8 @@
 """RMSNorm with an optional fused residual add, matching Hugging Face's arithmetic (norm in float32).
 
 On CUDA the add and the norm run as one Triton kernel (`tidepool.kernels.dispatch.rms_norm`,
-same arithmetic); elsewhere torch's `rms_norm`.
+same arithmetic); on the CPU in float32 as one compiled call (`cpu_ops.fused_op()`, same order of
+operations) when it is available; elsewhere torch's `rms_norm`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import dispatch
+from .. import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +27,11 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return dispatch.rms_norm(x, self.weight, self.eps), x
             return dispatch.rms_norm(x, self.weight, self.eps, residual)
+        if x.dtype == torch.float32 and x.device.type == "cpu":  # cheap checks first; the op checks the rest
+            op = cpu_ops.fused_op()
+            fused = None if op is None else op.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
         if residual is not None:
             x = x + residual
         residual = x

@@ -4,8 +4,9 @@ The cos/sin table is computed once in float32 up to the model's max positions an
 each token's position, so chunked prefill and decode give the same values as a full forward.
 The sin table is stored sign-folded, ``sin_signed = cat(-sin, sin)``, so that
 ``rotate_half(x) * sin == swap_halves(x) * sin_signed`` exactly: on CPU the rotation is four
-ops in place (roll, two multiplies, an add; the torch form took six and two temporaries), on
-CUDA one Triton kernel for q and k together (`tidepool.kernels.rotary`).
+ops in place (roll, two multiplies, an add; the torch form took six and two temporaries), or in
+float32 one compiled call (`cpu_ops.fused_op()`, the same products and sum, bit-identical) when it
+is available; on CUDA one Triton kernel for q and k together (`tidepool.kernels.rotary`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from ...kernels import dispatch
+from .. import cpu_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -64,11 +66,15 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """Rotate x [num_tokens, num_heads, head_dim] in place (heads contiguous, any token stride); returns x.
 
-    CPU arithmetic is bit-identical to Hugging Face's ``x * cos + rotate_half(x) * sin`` in x's
-    dtype: each product is rounded, then the sum (addcmul would fuse the multiply-add into one
-    rounding, which is more accurate but no longer identical).
+    The torch path's arithmetic is bit-identical to Hugging Face's ``x * cos + rotate_half(x) * sin``
+    in x's dtype: each product is rounded, then the sum (addcmul would fuse the multiply-add into one
+    rounding, more accurate but no longer identical); so is the compiled float32 op's.
     """
     if x.is_cuda:
         return dispatch.rotary_(x, cos, sin_signed)
+    if x.dtype == torch.float32:
+        op = cpu_ops.fused_op()
+        if op is not None and op.rotary_(x, cos, sin_signed) is not None:
+            return x
     swapped = x.roll(x.shape[-1] // 2, dims=-1).mul_(sin_signed.unsqueeze(1))
     return x.mul_(cos.unsqueeze(1)).add_(swapped)

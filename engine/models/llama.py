@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..layers.activation import silu_mul
 from ..layers.attention_backend import paged_attention
 from ..layers.attention_metadata import AttentionMetadata
 from ..layers.linear import linear
@@ -74,8 +75,7 @@ class LlamaMLP(nn.Module):
         self.down_bias = _param(config.hidden_size, dtype=dt, device=device) if config.mlp_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+        return linear(silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias)), self.down_weight, self.down_bias)
 
 
 class LlamaDecoderLayer(nn.Module):
