@@ -53,12 +53,19 @@ class CpuGemv:
         )
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not self.accepts(x, weight):
+        y = self.try_call(x, weight)
+        if y is None:
             raise ValueError(
                 f"gemv takes float32 x [1..{self.max_batch}, in] (unit stride) and a contiguous float32 [out, in] "
                 f"weight; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
                 f"{weight.dtype} contiguous={weight.is_contiguous()}"
             )
+        return y
+
+    def try_call(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """`x @ weight.T`, or None (nothing done) when the call does not qualify: one check per call."""
+        if not self.accepts(x, weight):
+            return None
         rows, cols = weight.shape
         y = torch.empty(x.shape[0], rows, dtype=torch.float32)
         code = self._fn(

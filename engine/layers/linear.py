@@ -3,11 +3,18 @@
 A float32 call with 1..`max_batch` (8) rows on the CPU (decode of a few sequences) goes to the compiled GEMV
 (`engine/cpu_ops/gemv.py`) when it is available and the weight is a contiguous `[out, in]` tensor;
 everything else (prefill, big batches, other dtypes, accelerators, quantized weights, TP-sliced
-views) is `F.linear` itself. The two differ only in float summation order.
+views) is `F.linear` itself, but for the transposed product below. They differ only in float
+summation order.
 
 With the compiled GEMV in use the weights keep their `[out, in]` layout (`weight_layout` stores wide
 float32 projections `[in, out]` only for the torch path, where that layout streams faster at one
 row); `uses_compiled_gemv()` is what the model runner asks before choosing.
+
+Above the GEMV's rows and up to `TRANSPOSED_MAX_ROWS` (a decode batch of tens of sequences) a
+float32 CPU projection is computed as `(weight @ x.T).T`: the same products, but MKL's kernel for
+that orientation (many output rows, few columns) ran 1.2-1.3x faster on the layer projections at
+16-64 rows and 1.4-1.9x on a 49,152-row LM head; at 128 rows and more (prefill) F.linear's is
+faster (bench/README.md, "Decode GEMM orientation").
 """
 
 from __future__ import annotations
@@ -23,10 +30,26 @@ def uses_compiled_gemv() -> bool:
     return cpu_ops.gemv_op() is not None
 
 
+TRANSPOSED_MAX_ROWS = 96
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32:  # cheap checks first; the op checks the rest
         op = cpu_ops.gemv_op()
-        if op is not None and op.accepts(x, weight):
-            y = op(x, weight)
+        y = None if op is None else op.try_call(x, weight)
+        if y is None and x.dim() == 2 and x.shape[0] <= TRANSPOSED_MAX_ROWS and _plain_f32(weight):
+            y = torch.mm(weight, x.t()).t().contiguous()
+        if y is not None:
             return y.add_(bias) if bias is not None else y
     return F.linear(x, weight, bias)
+
+
+def _plain_f32(weight: torch.Tensor) -> bool:
+    """A contiguous `[out, in]` float32 CPU matrix (not a quantized weight, which answers F.linear itself, nor
+    `weight_layout`'s transposed storage, which is tuned for F.linear)."""
+    return (
+        type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.is_contiguous()
+    )
