@@ -84,6 +84,9 @@ class CpuPagedAttention:
         self.has_openmp = bool(lib.tp_has_openmp())
         self.dtypes = frozenset(dt for dt, code in DTYPE_CODES.items() if lib.tp_supports_dtype(code))
         self._lib = lib  # keeps the library mapped for as long as the op lives
+        # The last step's views, already checked (what is checked, dtype/shape/layout, cannot change in place;
+        # the values are checked by the C side on every call).
+        self._checked_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def supports(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         return q.device.type == "cpu" and q.dtype in self.dtypes and k_cache.dtype == q.dtype
@@ -101,7 +104,12 @@ class CpuPagedAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D]; caches [num_blocks, block_size, Hkv, D]; int32 tables/lengths/offsets -> [T, Hq, D]."""
-        _check(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, self.dtypes)
+        _check_layer(q, k_cache, v_cache, self.dtypes)
+        views = (block_tables, seq_lens, cu_seqlens_q)
+        checked = self._checked_views  # every layer of a step passes the same three tensors: check them once
+        if checked is None or any(a is not b for a, b in zip(views, checked, strict=True)):
+            _check_views(*views)
+            self._checked_views = views  # held, so the identities cannot be reused by other tensors
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype or out.device.type != "cpu" or out.stride(2) != 1:
@@ -144,25 +152,22 @@ class CpuPagedAttention:
         return out
 
 
-def _check(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    dtypes: frozenset[torch.dtype],
-) -> None:
+def _check_layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dtypes: frozenset[torch.dtype]) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("expected q [T, Hq, D] and K/V caches [num_blocks, block_size, Hkv, D] of one layout")
     if q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match the cache {tuple(k_cache.shape)} (head_dim, GQA group)")
     if q.dtype not in dtypes or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"dtypes q={q.dtype} cache={k_cache.dtype}: both must be one of {sorted(map(str, dtypes))}")
-    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q)):
+    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache)):
         raise ValueError("the CPU op takes CPU tensors")
     if q.stride(2) != 1 or k_cache.stride(3) != 1:
         raise ValueError("q and the caches need a contiguous head dimension")
+
+
+def _check_views(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+    if any(t.device.type != "cpu" for t in (block_tables, seq_lens, cu_seqlens_q)):
+        raise ValueError("the CPU op takes CPU tensors")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
