@@ -11,10 +11,11 @@ float32 projections `[in, out]` only for the torch path, where that layout strea
 row); `uses_compiled_gemv()` is what the model runner asks before choosing.
 
 Above the GEMV's rows and up to `TRANSPOSED_MAX_ROWS` (a decode batch of tens of sequences) a
-float32 CPU projection is computed as `(weight @ x.T).T`: the same products, but MKL's kernel for
-that orientation (many output rows, few columns) ran 1.2-1.3x faster on the layer projections at
-16-64 rows and 1.4-1.9x on a 49,152-row LM head; at 128 rows and more (prefill) F.linear's is
-faster (bench/README.md, "Decode GEMM orientation").
+float32 CPU projection is computed as `(weight @ x.T).T`: the same products (equal bit for bit
+from 16 rows up in bench/gemm_orientation.py, summed in another order at 9), but MKL's kernel for
+that orientation (many output rows, few columns) ran 1.1-1.4x faster on the layer projections at
+16-96 rows and up to 1.3-1.9x on a 49,152-row LM head (two runs); from 128 rows (prefill) F.linear's
+is as fast or faster (bench/README.md, "Decode GEMM orientation").
 """
 
 from __future__ import annotations

@@ -80,3 +80,22 @@ def test_torch_mode_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
     finally:
         cpu_ops.reset()
+
+
+@pytest.mark.parametrize("rows", [9, 16, 64, linear_mod.TRANSPOSED_MAX_ROWS, linear_mod.TRANSPOSED_MAX_ROWS + 1, 300])
+def test_decode_batches_take_the_transposed_product(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
+    b = torch.randn(960, generator=gen)
+    calls: list[tuple[int, ...]] = []
+    real_mm = torch.mm
+
+    def spy(a: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(a.shape))
+        return real_mm(a, other)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    y = linear_mod.linear(x, w, b)
+    assert calls == ([(960, 576)] if rows <= linear_mod.TRANSPOSED_MAX_ROWS else [])
+    assert y.shape == (rows, 960) and y.is_contiguous()
+    close(y, F.linear(x, w, b), 576)  # MKL sums in another order at some sizes (9 rows here)
