@@ -165,8 +165,9 @@ def test_engine_without_a_compiler_generates_and_says_so_once(tiny_model_dir: Pa
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[5, 5]"
-    lines = [line for line in proc.stderr.splitlines() if "CPU attention" in line]
-    assert len(lines) == 1 and "torch path" in lines[0] and "not found" in lines[0], proc.stderr
+    for op_label in ("CPU attention", "CPU GEMV", "CPU fused ops"):  # each op: one line, saying why
+        lines = [line for line in proc.stderr.splitlines() if op_label in line]
+        assert len(lines) == 1 and "torch path" in lines[0] and "not found" in lines[0], proc.stderr
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
