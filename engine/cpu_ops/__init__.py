@@ -4,7 +4,9 @@ Today: paged attention that reads the KV cache in place (`paged_attention.py` bi
 `paged_attention.cpp` and the headers beside it), and the small-batch float32 GEMV of decode's
 projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it); the fused elementwise
 work of a layer (`fused.py` binds `fused.cpp`: RMSNorm with the residual add, SwiGLU, rotary, the KV
-store; `engine/layers/` calls them).
+store; `engine/layers/` calls them); and a whole float32 decode step of the decoder layers in one
+call (`decoder.py` binds `decoder.cpp`, made of the same pieces; `engine/models/llama.py` calls it
+for steps of 1..8 decodes, where per-call overhead was a quarter of the step).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of
@@ -23,6 +25,8 @@ Which path runs is decided once per process and op, on first use, and logged in 
     TIDEPOOL_CPU_ATTENTION=compiled  the compiled op or an error (CI and benchmarks that must measure it)
     TIDEPOOL_CPU_GEMV=auto|torch|compiled   the same for the GEMV (torch: F.linear everywhere)
     TIDEPOOL_CPU_FUSED=auto|torch|compiled  the same for the fused elementwise ops
+    TIDEPOOL_CPU_DECODER=auto|torch|compiled  the same for the one-call decode step, which runs only
+                                    where the attention, GEMV and fused ops are all compiled too
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 """
@@ -37,18 +41,22 @@ from pathlib import Path
 from typing import TypeVar
 
 from .build import BuildUnavailable, build_library
+from .decoder import CpuDecoder
 from .fused import CpuFused
 from .gemv import CpuGemv
 from .paged_attention import CpuPagedAttention
 
 __all__ = [
+    "DECODER_MODE_ENV",
     "FUSED_MODE_ENV",
     "GEMV_MODE_ENV",
     "MODES",
     "MODE_ENV",
+    "CpuDecoder",
     "CpuFused",
     "CpuGemv",
     "CpuPagedAttention",
+    "decoder_op",
     "fused_op",
     "gemv_op",
     "paged_attention_op",
@@ -58,13 +66,14 @@ __all__ = [
 MODE_ENV = "TIDEPOOL_CPU_ATTENTION"
 GEMV_MODE_ENV = "TIDEPOOL_CPU_GEMV"
 FUSED_MODE_ENV = "TIDEPOOL_CPU_FUSED"
+DECODER_MODE_ENV = "TIDEPOOL_CPU_DECODER"
 MODES = ("auto", "torch", "compiled")
 
 logger = logging.getLogger(__name__)
-Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused)
+Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused, CpuDecoder)
 
 _lock = threading.Lock()
-_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | None] = {}
+_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | CpuDecoder | None] = {}
 
 
 def paged_attention_op() -> CpuPagedAttention | None:
@@ -80,6 +89,14 @@ def gemv_op() -> CpuGemv | None:
 def fused_op() -> CpuFused | None:
     """The compiled fused elementwise ops, or None where torch's are to be used (decided once, logged once)."""
     return _op("CPU fused ops", FUSED_MODE_ENV, "fused", CpuFused)
+
+
+def decoder_op() -> CpuDecoder | None:
+    """The compiled one-call decode step, or None: also None unless attention, GEMV and fused ops are compiled
+    (it is made of them, so switching any of them to torch switches the step back to layer by layer)."""
+    if paged_attention_op() is None or gemv_op() is None or fused_op() is None:
+        return None
+    return _op("CPU decode step", DECODER_MODE_ENV, "decoder", CpuDecoder)
 
 
 def reset() -> None:

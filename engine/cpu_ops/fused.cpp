@@ -12,71 +12,10 @@
 // rotary: x * cos + swap(x) * sin_signed, bit-identical; silu: g / (1 + exp(-g)) as g * sigmoid(g));
 // norm and silu differ from torch's only by summation order, FMA contraction and exp's last bit.
 // Rows are split across threads only when the call is big enough to pay for waking them.
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#include "vec.h"
-
-namespace tidepool {
-namespace {
-
-constexpr int64_t PARALLEL_MIN_FLOATS = 1 << 15;  // below this, one thread: waking a team costs more
-
-inline int team(int64_t floats, int num_threads) {
-  return floats >= PARALLEL_MIN_FLOATS && num_threads > 1 ? num_threads : 1;
-}
-
-inline float sum_squares(const float* h, int64_t n) {
-  vf acc[4] = {};
-  int64_t i = 0;
-  for (; i + 4 * W <= n; i += 4 * W)
-    for (int u = 0; u < 4; ++u) {
-      const vf v = load(h + i + u * W);
-      acc[u] += v * v;
-    }
-  for (; i + W <= n; i += W) {
-    const vf v = load(h + i);
-    acc[0] += v * v;
-  }
-  const vf s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  float total = 0.0f;
-  for (int l = 0; l < W; ++l) total += s[l];
-  for (; i < n; ++i) total += h[i] * h[i];
-  return total;
-}
-
-void add_rms_norm_row(const float* x, const float* residual, const float* weight, float* out, float* res_out,
-                      int64_t n, float eps) {
-  const float* h = x;
-  if (residual != nullptr) {
-    int64_t i = 0;
-    for (; i + W <= n; i += W) store(res_out + i, load(x + i) + load(residual + i));
-    for (; i < n; ++i) res_out[i] = x[i] + residual[i];
-    h = res_out;
-  } else if (res_out != x) {
-    std::memcpy(res_out, x, n * sizeof(float));
-  }
-  const float r = 1.0f / std::sqrt(sum_squares(h, n) / static_cast<float>(n) + eps);
-  const vf rv = splat(r);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store(out + i, (load(h + i) * rv) * load(weight + i));
-  for (; i < n; ++i) out[i] = (h[i] * r) * weight[i];
-}
-
-// silu(g) = g * sigmoid(g); sigmoid through e = exp(-|g|) <= 1, so exp2v only sees arguments <= 0.
-inline vf silu(vf g) {
-  const vf neg_abs = g < vf{} ? g : -g;
-  const vf e = exp2v(neg_abs * 1.4426950408889634f);
-  const vf one = splat(1.0f);
-  const vf sig = g < vf{} ? e / (one + e) : one / (one + e);
-  return g * sig;
-}
-
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
-}  // namespace
-}  // namespace tidepool
+#include "fused.h"
 
 #define TP_EXPORT __attribute__((visibility("default")))
 
@@ -122,53 +61,15 @@ TP_EXPORT int tp_silu_mul_f32(const float* gate_up, float* out, int64_t rows, in
 }
 
 // x: [tokens, heads, dim], heads contiguous (head stride dim), token stride ldx; cos, sin_signed:
-// [tokens, dim] contiguous, sin_signed = cat(-sin, sin). x = x * cos + swap_halves(x) * sin_signed,
-// bit-identical to Hugging Face's float32 arithmetic: each product rounded, then the sum. The
-// library is built with -ffp-contract=fast, so this function alone turns contraction off (an FMA
-// would round once: more accurate, no longer identical) and calls no helpers (GCC does not inline
-// across different optimisation attributes).
-#if defined(__clang__)
-#define TP_NO_CONTRACT
-#else
-#define TP_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#endif
-TP_EXPORT TP_NO_CONTRACT int tp_rotary_f32(float* x, const float* cos, const float* sin_signed, int64_t tokens,
-                                           int64_t heads, int64_t dim, int64_t ldx, int32_t num_threads) {
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-  using tidepool::vf;
-  using tidepool::W;
+// [tokens, dim] contiguous, sin_signed = cat(-sin, sin). Rotated in place by rotary_head (fused.h:
+// bit-identical to Hugging Face's float32 arithmetic).
+TP_EXPORT int tp_rotary_f32(float* x, const float* cos, const float* sin_signed, int64_t tokens, int64_t heads,
+                            int64_t dim, int64_t ldx, int32_t num_threads) {
+  using namespace tidepool;
   if (tokens < 0 || heads < 1 || dim < 2 || dim % 2 != 0 || ldx < heads * dim) return -1;
-  const int64_t half = dim / 2;
-  const int team = tokens * heads * dim >= tidepool::PARALLEL_MIN_FLOATS && num_threads > 1 ? num_threads : 1;
-#pragma omp parallel for schedule(static) num_threads(team)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* c = cos + t * dim;
-    const float* s = sin_signed + t * dim;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* a = x + t * ldx + h * dim;
-      float* b = a + half;
-      int64_t i = 0;
-      for (; i + W <= half; i += W) {
-        vf av, bv, ca, cb, sa, sb;
-        std::memcpy(&av, a + i, sizeof av);
-        std::memcpy(&bv, b + i, sizeof bv);
-        std::memcpy(&ca, c + i, sizeof ca);
-        std::memcpy(&cb, c + half + i, sizeof cb);
-        std::memcpy(&sa, s + i, sizeof sa);
-        std::memcpy(&sb, s + half + i, sizeof sb);
-        const vf ra = av * ca + bv * sa, rb = bv * cb + av * sb;
-        std::memcpy(a + i, &ra, sizeof ra);
-        std::memcpy(b + i, &rb, sizeof rb);
-      }
-      for (; i < half; ++i) {
-        const float av = a[i], bv = b[i];
-        a[i] = av * c[i] + bv * s[i];
-        b[i] = bv * c[half + i] + av * s[half + i];
-      }
-    }
-  }
+#pragma omp parallel for schedule(static) num_threads(team(tokens * heads * dim, num_threads))
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) rotary_head(x + t * ldx + h * dim, cos + t * dim, sin_signed + t * dim, dim / 2);
   return 0;
 }
 

@@ -6,6 +6,11 @@ are stored fused (one matmul each); `load_weights` maps Hugging Face tensor name
 The forward takes the step's flattened tokens and an `AttentionMetadata`; it never builds
 batch tensors itself (that is the model runner's job). Parameters are created uninitialised:
 every one must be filled by `load_weights`, which reports any that were not.
+
+A float32 CPU step of 1..8 decodes runs every layer and the final norm in one compiled call
+(`cpu_ops.decoder_op()`, the same arithmetic as the layers' own compiled ops, bit for bit) when the
+op is available and nothing hooks into the layers (tensor parallelism's all-reduce hooks do): at
+that size the per-layer calls cost a quarter of the step.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpu_ops
 from ..config import ModelConfig
+from ..cpu_ops.decoder import DecoderShape, PreparedDecoder
 from ..layers.activation import silu_mul
 from ..layers.attention_backend import paged_attention
 from ..layers.attention_metadata import AttentionMetadata
@@ -100,6 +107,23 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+    def decode_tensors(self) -> dict[str, torch.Tensor | None]:
+        """This layer's weights by `cpu_ops.decoder.LAYER_FIELDS` name (what the one-call decode step reads)."""
+        attn, mlp = self.self_attn, self.mlp
+        return {
+            "input_norm": self.input_layernorm.weight,
+            "qkv_weight": attn.qkv_weight,
+            "qkv_bias": attn.qkv_bias,
+            "o_weight": attn.o_weight,
+            "o_bias": attn.o_bias,
+            "post_norm": self.post_attention_layernorm.weight,
+            "gate_up_weight": mlp.gate_up_weight,
+            "gate_up_bias": mlp.gate_up_bias,
+            "down_weight": mlp.down_weight,
+            "down_bias": mlp.down_bias,
+        }
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, device: torch.device | str = "cpu", max_positions: int | None = None
@@ -139,11 +163,55 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] after the final norm."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        compiled = self._compiled_decode_step(x, cos_sin, kv_caches, meta)
+        if compiled is not None:
+            return compiled
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos_sin, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _compiled_decode_step(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The layers and the final norm in one compiled call, or None where the step or model does not qualify."""
+        if x.device.type != "cpu" or x.dtype != torch.float32 or meta.prefills or meta.num_decode_seqs != x.shape[0]:
+            return None
+        if meta.block_tables is None or meta.seq_lens is None or meta.cu_seqlens_q is None:
+            return None
+        op = cpu_ops.decoder_op()
+        if op is None or not 1 <= x.shape[0] <= op.max_batch or self._layers_hooked():
+            return None
+        tensors = [layer.decode_tensors() for layer in self.layers]
+        # Re-checked whenever a weight moved (a reload into new storage, .to()): the op holds raw pointers.
+        key = tuple(t.data_ptr() for layer in tensors for t in layer.values() if t is not None)
+        cached: tuple[tuple[int, ...], PreparedDecoder | None] | None = getattr(self, "_decoder_prepared", None)
+        if cached is None or cached[0] != key:
+            c, attn = self.config, self.layers[0].self_attn if len(self.layers) else None
+            shape = DecoderShape(
+                c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+                float(self.norm.eps), attn.scale if attn is not None else c.head_dim**-0.5,
+            )  # fmt: skip
+            cached = (key, op.prepare(shape, tensors, self.norm.weight))
+            self._decoder_prepared = cached
+        if cached[1] is None:
+            return None
+        return op.run(
+            cached[1], x, *cos_sin, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.cu_seqlens_q, meta.sliding_window,
+        )  # fmt: skip
+
+    def _layers_hooked(self) -> bool:
+        """Whether anything hooks into the layers' forwards (tensor parallelism's all-reduce, instrumentation)."""
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.layers.modules())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,229 @@
+"""Python binding of the compiled float32 decode step (`decoder.cpp`): every decoder layer in one call.
+
+`CpuDecoder(path)` loads a built library with ctypes and checks its ABI (version and the sizes of
+the two argument blocks, mirrored here by `_Layer` and `_Args`). The model hands it its layers'
+tensors once (`prepare`, which checks every dtype, shape and layout and returns None when anything
+does not qualify: quantized or transposed weights, other dtypes, accelerators); a step then calls
+`run` with the embeddings, the rotary rows, the KV caches and the attention views, and gets the
+final norm's output, bit-identical to running the layers one by one with the compiled ops
+(`gemv.h`, `fused.h` and `attention_run.h` are the same code in both).
+
+Invariants the caller keeps: the prepared weights are not reallocated while the prepared object
+lives (load_weights copies into them in place); a step qualifies only when it is all decodes (one
+query per sequence, 1..`max_batch` sequences) over float32 caches of one layout. The C side checks
+the values (query offsets, block ids, slots) and refuses, writing nothing, on any it does not take.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .paged_attention import _check_views
+
+ABI_VERSION = 1
+_F32 = torch.float32
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+LAYER_FIELDS = (
+    "input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_norm",
+    "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache",
+)  # fmt: skip
+_ERRORS = {
+    1: "inconsistent head counts, head_dim, block size or window",
+    2: "the step is not all decodes (cu_seqlens_q must be 0, 1, ..., batch) or a seq_len is 0",
+    3: "a block table is shorter than its sequence needs",
+    4: "a block table holds a block id outside the cache",
+    6: "out of memory for the working buffers",
+    7: "batch outside 1..max_batch",
+    8: "a slot outside the cache",
+}
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = tuple((name, _ptr) for name in LAYER_FIELDS)
+
+
+_POINTERS = ("x", "out", "final_norm", "cos", "sin_signed", "slots", "block_tables", "seq_lens", "cu_seqlens_q")
+_STRIDES = ("block_table_stride", "cache_block_stride", "cache_token_stride", "cache_head_stride")
+_SIZES = (
+    "num_layers", "batch", "hidden", "num_q_heads", "num_kv_heads", "head_dim", "intermediate",
+    "block_size", "num_blocks", "block_table_width", "sliding_window", "num_threads",
+)  # fmt: skip
+
+
+class _Args(ctypes.Structure):
+    _fields_ = (
+        ("layers", ctypes.POINTER(_Layer)),
+        *((name, _ptr) for name in _POINTERS),
+        *((name, _i64) for name in _STRIDES),
+        *((name, _i32) for name in _SIZES),
+        ("eps", _f32),
+        ("scale", _f32),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    hidden: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+
+
+@dataclass(slots=True)
+class PreparedDecoder:
+    """A model's weights checked once and laid out for the op; holds the tensors it points at."""
+
+    shape: DecoderShape
+    final_norm: torch.Tensor
+    layers: list[dict[str, torch.Tensor | None]]
+    _table: ctypes.Array | None = None  # the layer array, rebuilt when the caches change
+    _caches: tuple[int, ...] = ()
+
+
+def _matrix(t: torch.Tensor | None, rows: int, cols: int) -> bool:
+    return (
+        t is not None
+        and type(t) in (torch.Tensor, torch.nn.Parameter)  # not a quantized weight
+        and t.dtype == _F32
+        and t.device.type == "cpu"
+        and tuple(t.shape) == (rows, cols)
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
+
+
+def _vector(t: torch.Tensor | None, n: int, optional: bool = False) -> bool:
+    if t is None:
+        return optional
+    return _matrix(t.view(1, -1) if t.dim() == 1 else t, 1, n) and t.dim() == 1
+
+
+class CpuDecoder:
+    """The loaded op (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        names = ("tp_decoder_abi_version", "tp_decoder_args_size", "tp_decoder_layer_size", "tp_decoder_max_batch")
+        for name in (*names, "tp_decoder_has_openmp", "tp_decode_step_f32"):
+            getattr(lib, name).restype = ctypes.c_int
+        if (
+            lib.tp_decoder_abi_version() != ABI_VERSION
+            or lib.tp_decoder_args_size() != ctypes.sizeof(_Args)
+            or lib.tp_decoder_layer_size() != ctypes.sizeof(_Layer)
+        ):
+            raise RuntimeError(f"{path}: ABI mismatch with {__name__} (stale build?)")
+        lib.tp_decode_step_f32.argtypes = [ctypes.POINTER(_Args)]
+        self._fn = lib.tp_decode_step_f32
+        self.max_batch = int(lib.tp_decoder_max_batch())
+        self.has_openmp = bool(lib.tp_decoder_has_openmp())
+        self._lib = lib
+
+    def prepare(
+        self, shape: DecoderShape, layers: Sequence[dict[str, torch.Tensor | None]], final_norm: torch.Tensor
+    ) -> PreparedDecoder | None:
+        """Check every layer's tensors (keys: LAYER_FIELDS but the caches); None when any does not qualify."""
+        s = shape
+        q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        if s.num_q_heads % s.num_kv_heads or s.head_dim % 2 or not _vector(final_norm, s.hidden):
+            return None
+        for layer in layers:
+            ok = (
+                _vector(layer["input_norm"], s.hidden)
+                and _vector(layer["post_norm"], s.hidden)
+                and _matrix(layer["qkv_weight"], q + 2 * kv, s.hidden)
+                and _vector(layer["qkv_bias"], q + 2 * kv, optional=True)
+                and _matrix(layer["o_weight"], s.hidden, q)
+                and _vector(layer["o_bias"], s.hidden, optional=True)
+                and _matrix(layer["gate_up_weight"], 2 * s.intermediate, s.hidden)
+                and _vector(layer["gate_up_bias"], 2 * s.intermediate, optional=True)
+                and _matrix(layer["down_weight"], s.hidden, s.intermediate)
+                and _vector(layer["down_bias"], s.hidden, optional=True)
+            )
+            if not ok:
+                return None
+        return PreparedDecoder(shape, final_norm, [dict(layer) for layer in layers])
+
+    def run(
+        self,
+        prepared: PreparedDecoder,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        sliding_window: int | None,
+    ) -> torch.Tensor | None:
+        """The final norm's output [batch, hidden], or None (nothing done) when the step does not qualify."""
+        s = prepared.shape
+        batch = x.shape[0] if x.dim() == 2 else 0
+        if not (
+            1 <= batch <= self.max_batch
+            and _matrix(x, batch, s.hidden)
+            and _matrix(cos, batch, s.head_dim)
+            and _matrix(sin_signed, batch, s.head_dim)
+            and slots.dtype == torch.int64
+            and slots.shape == (batch,)
+            and slots.is_contiguous()
+            and len(kv_caches) == len(prepared.layers)
+            and self._caches_ok(kv_caches, s)
+        ):
+            return None
+        _check_views(block_tables, seq_lens, cu_seqlens_q)
+        if seq_lens.shape[0] != batch:
+            return None
+        table = self._table(prepared, kv_caches)
+        k0 = kv_caches[0][0]
+        num_blocks, block_size = k0.shape[0], k0.shape[1]
+        out = torch.empty(batch, s.hidden, dtype=_F32)
+        args = _Args(
+            table,
+            x.data_ptr(), out.data_ptr(), prepared.final_norm.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+            slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+            block_tables.stride(0), k0.stride(0), k0.stride(1), k0.stride(2),
+            len(prepared.layers), batch, s.hidden, s.num_q_heads, s.num_kv_heads, s.head_dim, s.intermediate,
+            block_size, num_blocks, block_tables.shape[1], sliding_window or 0, torch.get_num_threads(),
+            s.eps, s.scale,
+        )  # fmt: skip
+        code = self._fn(ctypes.byref(args))
+        if code:
+            raise ValueError(f"CPU decode step: {_ERRORS.get(code, f'error {code}')}")
+        return out
+
+    @staticmethod
+    def _caches_ok(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], s: DecoderShape) -> bool:
+        k0 = kv_caches[0][0]
+        if not (k0.dtype == _F32 and k0.device.type == "cpu" and k0.dim() == 4 and k0.stride(3) == 1):
+            return False
+        if k0.shape[2:] != (s.num_kv_heads, s.head_dim):
+            return False
+        shape, strides = k0.shape, k0.stride()
+        return all(
+            t.dtype == _F32 and t.device.type == "cpu" and t.shape == shape and t.stride() == strides
+            for pair in kv_caches
+            for t in pair
+        )
+
+    @staticmethod
+    def _table(prepared: PreparedDecoder, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
+        caches = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if prepared._table is None or caches != prepared._caches:
+            table = (_Layer * len(prepared.layers))()
+            for entry, layer, (k, v) in zip(table, prepared.layers, kv_caches, strict=True):
+                for name in LAYER_FIELDS[:-2]:
+                    t = layer[name]
+                    setattr(entry, name, None if t is None else t.data_ptr())
+                entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
+            prepared._table, prepared._caches = table, caches
+        return prepared._table

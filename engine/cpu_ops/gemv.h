@@ -1,0 +1,55 @@
+// The small-batch float32 GEMV's row kernel, shared by gemv.cpp (one projection per call) and
+// decoder.cpp (every projection of a decode step inside one parallel region).
+//
+// row_dot<B> reads one weight row (contiguous, [out, in] row-major) once and multiplies it with
+// each of B input rows while it is in registers/L1; accumulation is float32 with independent vector
+// accumulators per input row (FMA latency hiding), then one horizontal sum, so any caller that uses
+// it gets the same bits for the same row.
+#pragma once
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace tidepool {
+namespace {
+
+constexpr int MAX_BATCH = 8;
+
+// Independent accumulators per input row: enough to hide FMA latency, few enough that B x U of them
+// plus the weight vectors fit the 16 vector registers of AVX2 (no spills at B = 8).
+template <int B>
+constexpr int accumulators() {
+  return B == 1 ? 4 : (B == 2 ? 2 : 1);
+}
+
+// One output row for `B` inputs: U accumulators per input over U*W-float chunks, then W, then scalars.
+template <int B>
+inline void row_dot(const float* w, const float* x, int64_t ldx, int64_t in, float* out) {
+  constexpr int U = accumulators<B>();
+  vf acc[B][U];
+  for (int b = 0; b < B; ++b)
+    for (int u = 0; u < U; ++u) acc[b][u] = vf{};
+  int64_t i = 0;
+  for (; i + U * W <= in; i += U * W) {
+    vf wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load(w + i + u * W);
+    for (int b = 0; b < B; ++b)
+      for (int u = 0; u < U; ++u) acc[b][u] += wv[u] * load(x + b * ldx + i + u * W);
+  }
+  for (; i + W <= in; i += W) {
+    const vf wv = load(w + i);
+    for (int b = 0; b < B; ++b) acc[b][0] += wv * load(x + b * ldx + i);
+  }
+  for (int b = 0; b < B; ++b) {
+    vf s = acc[b][0];
+    for (int u = 1; u < U; ++u) s += acc[b][u];
+    float total = 0.0f;
+    for (int l = 0; l < W; ++l) total += s[l];
+    for (int64_t j = i; j < in; ++j) total += w[j] * x[b * ldx + j];
+    out[b] = total;
+  }
+}
+
+}  // namespace
+}  // namespace tidepool
