@@ -7,6 +7,8 @@ layer calls (`linear`, labelled by the weight it multiplies: q/k/v, o, gate/up, 
 `time.perf_counter`, decodes `--steps` steps of one batch, and prints milliseconds per step for
 each, plus the whole forward and what the forward spends between those calls (views, module calls,
 embedding, rotary tables). The model's own code runs unchanged. The timers cost ~0.1 µs each.
+It times the layer-by-layer path: the one-call decode step (`cpu_ops.decoder_op()`) makes none of
+these calls, so it is switched off here unless TIDEPOOL_CPU_DECODER is set.
 
     python bench/layer_timers.py --model DIR [--batch 1] [--context-len 128]
 """
@@ -14,12 +16,13 @@ embedding, rotary tables). The model's own code runs unchanged. The timers cost 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from tidepool.engine import LLM, SamplingParams
+from tidepool.engine import LLM, SamplingParams, cpu_ops
 from tidepool.engine.layers.norm import RMSNorm
 from tidepool.engine.models import llama
 
@@ -66,6 +69,7 @@ def main() -> None:
     parser.add_argument("--context-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
+    os.environ.setdefault(cpu_ops.DECODER_MODE_ENV, "torch")  # the calls timed here are the layer-by-layer path's
     engine = LLM(args.model, show_progress=False, max_model_len=args.context_len + args.steps + 16).engine
     if not isinstance(engine.model, llama.LlamaForCausalLM):
         raise SystemExit(f"{args.model}: layer timers know the Llama family only, not {type(engine.model).__name__}")

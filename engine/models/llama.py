@@ -16,6 +16,8 @@ that size the per-layer calls cost a quarter of the step.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +126,47 @@ class LlamaDecoderLayer(nn.Module):
         }
 
 
+@dataclass(slots=True)
+class _DecoderState:
+    """What the one-call decode step was prepared from, and the cheap per-step checks that it still holds.
+
+    The layer modules are fixed once the model decodes; their parameters may still be swapped for new
+    ones or moved to new storage (a reload, a re-quantization): `holds` notices both (the op reads raw
+    pointers). Hooks (tensor parallelism's all-reduce, instrumentation) may come and go: checked each step.
+    """
+
+    modules: list[nn.Module]
+    bindings: list[tuple[dict[str, Any], str, torch.Tensor, int]]  # (owner._parameters, name, tensor, data_ptr)
+    prepared: PreparedDecoder | None
+
+    @classmethod
+    def of(cls, model: LlamaForCausalLM, op: cpu_ops.CpuDecoder) -> _DecoderState:
+        tensors = [layer.decode_tensors() for layer in model.layers]
+        c = model.config
+        scale = model.layers[0].self_attn.scale if len(model.layers) else c.head_dim**-0.5
+        shape = DecoderShape(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
+            float(model.norm.eps), scale,
+        )  # fmt: skip
+        bindings = [
+            (module._parameters, name, t, t.data_ptr())
+            for module in [*model.layers.modules(), model.norm]
+            for name, t in module._parameters.items()
+            if t is not None
+        ]
+        modules = list(model.layers.modules())
+        return cls(modules, bindings, op.prepare(shape, tensors, model.norm.weight))
+
+    def holds(self) -> bool:
+        return all(owner.get(name) is t and t.data_ptr() == ptr for owner, name, t, ptr in self.bindings)
+
+    def hooked(self) -> bool:
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(
         self, config: ModelConfig, device: torch.device | str = "cpu", max_positions: int | None = None
@@ -148,6 +191,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _param(config.vocab_size, config.hidden_size, dtype=dt, device=device)
         )
+        self._decoder_state: _DecoderState | None = None  # the one-call CPU decode step's, built on first use
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -185,33 +229,17 @@ class LlamaForCausalLM(nn.Module):
         if meta.block_tables is None or meta.seq_lens is None or meta.cu_seqlens_q is None:
             return None
         op = cpu_ops.decoder_op()
-        if op is None or not 1 <= x.shape[0] <= op.max_batch or self._layers_hooked():
+        if op is None or not 1 <= x.shape[0] <= op.max_batch:
             return None
-        tensors = [layer.decode_tensors() for layer in self.layers]
-        # Re-checked whenever a weight moved (a reload into new storage, .to()): the op holds raw pointers.
-        key = tuple(t.data_ptr() for layer in tensors for t in layer.values() if t is not None)
-        cached: tuple[tuple[int, ...], PreparedDecoder | None] | None = getattr(self, "_decoder_prepared", None)
-        if cached is None or cached[0] != key:
-            c, attn = self.config, self.layers[0].self_attn if len(self.layers) else None
-            shape = DecoderShape(
-                c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size,
-                float(self.norm.eps), attn.scale if attn is not None else c.head_dim**-0.5,
-            )  # fmt: skip
-            cached = (key, op.prepare(shape, tensors, self.norm.weight))
-            self._decoder_prepared = cached
-        if cached[1] is None:
+        state = self._decoder_state
+        if state is None or not state.holds():
+            state = self._decoder_state = _DecoderState.of(self, op)
+        if state.prepared is None or state.hooked():
             return None
         return op.run(
-            cached[1], x, *cos_sin, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            state.prepared, x, *cos_sin, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens,
             meta.cu_seqlens_q, meta.sliding_window,
         )  # fmt: skip
-
-    def _layers_hooked(self) -> bool:
-        """Whether anything hooks into the layers' forwards (tensor parallelism's all-reduce, instrumentation)."""
-        hooks = torch.nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.layers.modules())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head_weight).float()

@@ -179,6 +179,17 @@ def test_refusals_run_the_layers_and_bad_slots_write_nothing(
     assert decoder.counts["ran"] == before + 1  # type: ignore[attr-defined]
     assert torch.equal(hooked, fast) and torch.equal(mixed, fast)
 
+    # A weight swapped for a new tensor after the step was prepared: the step sees the new one.
+    mlp = model.layers[0].mlp
+    mlp.down_weight = torch.nn.Parameter(mlp.down_weight.detach() * 1.5, requires_grad=False)
+    swapped = forward(_meta_for(llm, lens, 4))
+    assert decoder.counts["ran"] == before + 2  # type: ignore[attr-defined]
+    handle = model.layers[0].register_forward_pre_hook(lambda *_: None)
+    try:
+        assert torch.equal(forward(_meta_for(llm, lens, 4)), swapped) and not torch.equal(swapped, fast)
+    finally:
+        handle.remove()
+
     meta = _meta_for(llm, lens, 4)
     meta.slot_mapping[1] = caches[0][0].shape[0] * caches[0][0].shape[1]  # one past the cache
     snapshot = [t.clone() for pair in caches for t in pair]
