@@ -10,6 +10,8 @@ kube-proxy + CoreDNS) running the dev engine image with this checkout's environm
 (DEV ONLY, e2e/README.md); `.dev_image` is the image to put in `spec.engine.image`, and
 `rp_namespace` is a fresh namespace where Tidepool's pods get that environment.
 
+Both fail at teardown when a thread a test started is still running (see `threads_left`).
+
 Binaries come from $TIDEPOOL_K8S_BIN_DIR, else `bash e2e/controlplane/build.sh
 --print-bin-dir`. When they (or, for a real node, root and the Debian packages of
 e2e/node/install-deps.sh) are missing the fixture FAILS (never skips) and names the command
@@ -22,6 +24,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +53,46 @@ def _bin_dir(devcluster: ModuleType) -> Path:
         pytest.fail(str(exc), pytrace=False)
 
 
+def threads_left(before: set[int | None], grace_s: float = 10.0) -> str:
+    """The threads started since `before` (idents) still alive after `grace_s`, with their stacks; "" if none.
+
+    A test's thread must be stopped and joined by the test. One left running keeps calling the API
+    server (which stops next) into interpreter shutdown, where CPython 3.11 ends a daemon thread that
+    wants the GIL back with pthread_exit; inside a kubernetes client call (pydantic-core's Rust
+    frames cannot be unwound) that aborts pytest with SIGABRT and no message after every test passed.
+    """
+    deadline = time.monotonic() + grace_s
+    left = [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before
+        and t is not threading.current_thread()
+        and not isinstance(t, threading._DummyThread)  # a foreign (C-created) thread: not ours to join
+    ]
+    for thread in left:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left = [t for t in left if t.is_alive()]
+    frames = sys._current_frames()
+    return "\n".join(
+        f"thread {t.name!r} (daemon={t.daemon}):\n" + "".join(traceback.format_stack(frames[t.ident])[-6:])
+        for t in left
+        if t.ident in frames
+    )
+
+
+@contextlib.contextmanager
+def _cluster_session(cluster) -> Iterator:
+    """Yield the started `cluster`, stop it afterwards; then fail if a test left a thread running."""
+    before = {t.ident for t in threading.enumerate()}
+    try:
+        yield cluster
+        left = threads_left(before)
+    finally:
+        cluster.stop()
+    if left:
+        pytest.fail(f"threads still running at the end of the session (stop and join them in the test):\n{left}")
+
+
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     devcluster = load_devcluster()
@@ -57,10 +102,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         bin_dir=_bin_dir(devcluster),
     )
     cluster.start()  # on failure it cleans up and raises with the failing log's tail
-    try:
+    with _cluster_session(cluster):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="session")
@@ -81,10 +124,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         dev_env=devcluster_addons.DevEnv.for_venv(Path(sys.prefix)),
     )
     cluster.start()
-    try:
+    with _cluster_session(cluster):
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @contextlib.contextmanager

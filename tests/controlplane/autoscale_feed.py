@@ -44,7 +44,8 @@ class Feed:
 
     def body(self, namespace: str, name: str, pool: str) -> str:
         selector = f"tidepool.dev/inferenceservice={name},tidepool.dev/pool={pool}"
-        ready = [p for p in self.core.list_namespaced_pod(namespace, label_selector=selector).items if _ready(p)]
+        listed = self.core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=(5, 10))
+        ready = [p for p in listed.items if _ready(p)]
         blocks = []
         with self.lock:
             load = self.load.get(pool, {"kv": 0.0, "requests": 0, "ttft": 0.1})
@@ -71,7 +72,9 @@ def _ready(pod) -> bool:
 
 @contextmanager
 def feed_server(feed: Feed) -> Iterator[str]:
-    """Serve `feed` on loopback; yields the base URL."""
+    """Serve `feed` on loopback; yields the base URL. On exit the server stops and its threads are joined:
+    a handler still in `feed.body` would call the API server during interpreter shutdown (see
+    test_cp_operator_chaos.ReplicaRecorder for why that aborts the test process)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -87,9 +90,12 @@ def feed_server(feed: Feed) -> Iterator[str]:
             return
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    server.daemon_threads = False  # server_close() joins the request threads (HTTP/1.0: one request each)
+    thread = threading.Thread(target=server.serve_forever, name="autoscale-feed", daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -81,6 +81,7 @@ class MetricsStub:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.thread.join(10)
 
 
 def register(cluster, stub: MetricsStub, namespace: str, ca_crt: Path) -> None:

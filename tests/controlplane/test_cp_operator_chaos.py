@@ -105,35 +105,55 @@ def converged(cluster, namespace: str, live: dict[str, dict[str, Any]]) -> str |
 
 
 class ReplicaRecorder:
-    """Every spec.replicas the autoscaled service's engine Deployment ever had, from a watch."""
+    """Every spec.replicas the autoscaled service's engine Deployment ever had, from a watch.
+
+    The watch runs in short rounds, each resumed from the last resourceVersion (no event is lost
+    between rounds), so that leaving the `with` stops the thread within one round and joins it. A
+    thread left behind kept re-watching after the control plane had stopped, into interpreter
+    shutdown, where CPython 3.11 ends a daemon thread that wants the GIL back with pthread_exit;
+    inside a kubernetes client call (pydantic-core's Rust frames, which cannot unwind) that aborts
+    the whole pytest process, silently, after every test passed.
+    """
+
+    ROUND_S = 5  # server-side timeout of one watch request
 
     def __init__(self, cluster, namespace: str) -> None:
         self.apps = client.AppsV1Api(cluster.api_client())
         self.namespace, self.values = namespace, []
+        self._stopping = threading.Event()
         self._watch = watch.Watch()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="replica-recorder", daemon=True)
 
     def _run(self) -> None:
         selector = f"metadata.name={AUTOSCALED}-unified"
-        while True:
+        resource_version: str | None = None  # None: list afresh (ADDED repeats the current value)
+        while not self._stopping.is_set():
+            self._watch = watch.Watch()
+            kwargs: dict[str, Any] = {"field_selector": selector, "timeout_seconds": self.ROUND_S}
+            kwargs["_request_timeout"] = (10, self.ROUND_S + 20)  # a hung connection cannot outlive the test
+            if resource_version:
+                kwargs["resource_version"] = resource_version
             try:
-                for event in self._watch.stream(
-                    self.apps.list_namespaced_deployment, self.namespace, field_selector=selector, timeout_seconds=600
-                ):
+                for event in self._watch.stream(self.apps.list_namespaced_deployment, self.namespace, **kwargs):
                     if event["type"] in ("ADDED", "MODIFIED"):
                         replicas = event["object"].spec.replicas
                         if not self.values or self.values[-1] != replicas:
                             self.values.append(replicas)
-                return
-            except Exception:  # a dropped watch: re-watch (a missed value only weakens the check)
-                time.sleep(0.5)
+                resource_version = self._watch.resource_version
+            except Exception:  # a dropped or expired (410) watch: list again (a missed value only weakens the check)
+                resource_version = None
+                self._stopping.wait(0.5)
 
     def __enter__(self) -> ReplicaRecorder:
         self._thread.start()
         return self
 
     def __exit__(self, *_: object) -> None:
+        self._stopping.set()
         self._watch.stop()
+        self._thread.join(60)
+        if self._thread.is_alive():
+            raise RuntimeError("the replica recorder's watch thread did not stop within 60 s")
 
 
 def operate(cluster, namespace: str, rng: random.Random, live: dict[str, dict[str, Any]], log: list, step: int):

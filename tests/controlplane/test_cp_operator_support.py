@@ -110,24 +110,29 @@ class NodeLeaseKeeper:
 
     def __exit__(self, *_exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(60)  # every call has a timeout: a renewal in flight ends well within this
+        if self._thread.is_alive():  # left running it would call the API server during interpreter shutdown
+            raise RuntimeError("the node-lease keeper's thread did not stop within 60 s")
 
     def renew(self) -> None:
         import datetime
 
         now = datetime.datetime.now(datetime.UTC)
-        for node in self.core.list_node(label_selector="type=kwok").items:
+        timeout = (5, 10)  # (connect, read) seconds
+        for node in self.core.list_node(label_selector="type=kwok", _request_timeout=timeout).items:
             name = node.metadata.name
             body = {
                 "metadata": {"name": name, "namespace": "kube-node-lease"},
                 "spec": {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now},
             }
             try:
-                self.coord.patch_namespaced_lease(name, "kube-node-lease", {"spec": body["spec"]})
+                self.coord.patch_namespaced_lease(
+                    name, "kube-node-lease", {"spec": body["spec"]}, _request_timeout=timeout
+                )
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
-                self.coord.create_namespaced_lease("kube-node-lease", body)
+                self.coord.create_namespaced_lease("kube-node-lease", body, _request_timeout=timeout)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
