@@ -9,7 +9,9 @@ Workloads (`--workloads`, all by default):
   so padding gives it nothing to waste. Also the attention share of a batch-64 Tidepool decode step.
 - bs1: one sequence decoding at `--context-len` tokens of context: median step time and MBU for both,
   MBU = (weight + KV bytes per step) / step time / read bandwidth, the bandwidth a streaming read of
-  1 GiB measured in this run with the same thread count (bench/common.py).
+  1 GiB measured in this run with the same thread count (bench/common.py). Tidepool's step is taken
+  twice, alternating: with the one-call decode step (`cpu_ops.decoder_op()`) and layer by layer
+  (TIDEPOOL_CPU_DECODER=torch); the best of each is kept.
 - neighbour: Tidepool bs=1 decode quiet and beside one CPU burner process, with the thread count the
   engine picks for a CPU limit of one CPU fewer (bench/neighbour.py).
 
@@ -25,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -78,6 +83,24 @@ def tidepool_generate(llm, work: list[WorkItem]) -> dict[str, float]:
     if num_out != sum(w.num_output_tokens for w in work):
         raise RuntimeError("Tidepool produced a different number of tokens than requested")
     return {"seconds": elapsed, "output_tokens": num_out, "tokens_per_s": num_out / elapsed}
+
+
+@contextmanager
+def decoder_mode(mode: str) -> Iterator[None]:
+    """Run with TIDEPOOL_CPU_DECODER=`mode` (auto: the one-call decode step where it applies; torch: layer by layer)."""
+    from tidepool.engine import cpu_ops
+
+    before = os.environ.get(cpu_ops.DECODER_MODE_ENV)
+    os.environ[cpu_ops.DECODER_MODE_ENV] = mode
+    cpu_ops.reset()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(cpu_ops.DECODER_MODE_ENV)
+        else:
+            os.environ[cpu_ops.DECODER_MODE_ENV] = before
+        cpu_ops.reset()
 
 
 def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: bool = False) -> dict[str, float]:
@@ -175,11 +198,16 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False)
     for ax, (name, r) in zip(axes[0], panels, strict=True):
         if name == "bs1":
-            ax.bar(
-                ["transformers", "Tidepool"],
-                [100 * r["transformers"]["mbu"], 100 * r["tidepool"]["mbu"]],
-                color=["#999", "#2a7"],
-            )
+            bars = [
+                (label, key, color)
+                for label, key, color in (
+                    ("transformers", "transformers", "#999"),
+                    ("Tidepool\nlayer by layer", "tidepool_layer_by_layer", "#8c8"),
+                    ("Tidepool", "tidepool", "#2a7"),
+                )
+                if key in r
+            ]
+            ax.bar([b[0] for b in bars], [100 * r[b[1]]["mbu"] for b in bars], color=[b[2] for b in bars])
             ax.set_title(f"bs=1 decode MBU % (read {r['read_bandwidth_GBps']:.0f} GB/s)")
             ax.set_ylim(0, 100)
         else:
@@ -210,10 +238,12 @@ def print_tables(result: dict) -> None:
             f"\nbs=1 decode at {r['context_len']} tokens, read bandwidth {r['read_bandwidth_GBps']:.1f} GB/s "
             f"({result['machine']['threads']} threads):"
         )
-        for engine in ("transformers", "tidepool"):
+        for engine in ("transformers", "tidepool", "tidepool_layer_by_layer"):
+            if engine not in r:
+                continue
             e = r[engine]
             mb, mbu = e["bytes"] / 1e6, 100 * e["mbu"]
-            print(f"  {engine:12s} step {1e3 * e['step_s']:7.2f} ms  {mb:7.1f} MB/step  MBU {mbu:5.1f}%")
+            print(f"  {engine:24s} step {1e3 * e['step_s']:7.2f} ms  {mb:7.1f} MB/step  MBU {mbu:5.1f}%")
     if "neighbour" in w:
         n = w["neighbour"]
         print("\nbs=1 decode beside a CPU burner (fresh process each):")
@@ -306,11 +336,17 @@ def main() -> None:
     if "bs1" in workloads:
         bandwidth = read_bandwidth((64 << 20) if args.quick else (1 << 30))
         prompt = [list(range(3, 3 + args.context_len))]
-        tp_step = tidepool_decode_steps(llm, prompt, args.decode_steps)["step_s"]
+        steps = {"tidepool": [], "tidepool_layer_by_layer": []}
+        for _ in range(2):
+            for name, mode in (("tidepool", "auto"), ("tidepool_layer_by_layer", "torch")):
+                with decoder_mode(mode):
+                    steps[name].append(tidepool_decode_steps(llm, prompt, args.decode_steps)["step_s"])
         hf_step = hf_decode_step(hf, args.context_len, args.decode_steps)
         entry = {"context_len": args.context_len, "read_bandwidth_GBps": bandwidth / 1e9}
+        tp_model, tp_config = llm.engine.model, llm.engine.model_config
         for name, model, config, step_s in (
-            ("tidepool", llm.engine.model, llm.engine.model_config, tp_step),
+            ("tidepool", tp_model, tp_config, min(steps["tidepool"])),
+            ("tidepool_layer_by_layer", tp_model, tp_config, min(steps["tidepool_layer_by_layer"])),
             ("transformers", hf, hf.config, hf_step),
         ):
             nbytes = decode_bytes_per_step(model, config, args.context_len)
