@@ -97,16 +97,21 @@ def run_decode(
 def measure(model: str, context_len: int = 128, steps: int = 32, rounds: int = 2) -> dict:
     """Quiet (all CPUs, engine's choice) vs beside a burner with a budget of all CPUs but one (engine's choice).
 
-    Also beside the burner with all CPUs' worth of threads, with the engine's sleeping OpenMP waits
+    Also quiet with that same budget: `burner_vs_quiet_same_limit` is what the neighbour itself costs,
+    apart from what having one CPU fewer costs (at bs=1 a step is bound by the read bandwidth the
+    threads reach, and one thread reaches less than two). Also beside the burner with all CPUs' worth of
+    threads, with the engine's sleeping OpenMP waits
     and with spinning ones (OMP_WAIT_POLICY=ACTIVE: what the engine did before). Rounds alternate
     the scenarios so slow drifts of a shared machine hit all alike.
     """
     cpus = sorted(os.sched_getaffinity(0))
     limited = cpus[: max(1, len(cpus) - 1)]
     all_threads, spin = len(cpus), {"OMP_WAIT_POLICY": "ACTIVE"}
+    limit = f"CPU limit {len(limited)}"
     scenarios = [
         ("quiet", cpus, None, False, {}),
-        (f"burner, CPU limit {len(limited)}", limited, None, True, {}),
+        (f"quiet, {limit}", limited, None, False, {}),
+        (f"burner, {limit}", limited, None, True, {}),
         (f"burner, {all_threads} threads", cpus, all_threads, True, {}),
         (f"burner, {all_threads} threads spinning", cpus, all_threads, True, spin),
     ]
@@ -120,6 +125,7 @@ def measure(model: str, context_len: int = 128, steps: int = 32, rounds: int = 2
         "runs": [asdict(r) for r in runs],
         "best_step_s": best,
         "slowdown_vs_quiet": {label: s / quiet for label, s in best.items()},
+        "burner_vs_quiet_same_limit": best[f"burner, {limit}"] / best[f"quiet, {limit}"],
     }
 
 
@@ -133,6 +139,7 @@ def main() -> None:
     result = measure(args.model, args.context_len, args.steps, args.rounds)
     for label, ratio in result["slowdown_vs_quiet"].items():
         print(f"{label:32s} {1e3 * result['best_step_s'][label]:8.2f} ms/step  {ratio:5.2f}x quiet")
+    print(f"burner vs quiet at the same CPU limit: {result['burner_vs_quiet_same_limit']:.2f}x")
     json.dump(result, sys.stdout, indent=2)
 
 

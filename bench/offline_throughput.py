@@ -253,6 +253,7 @@ def print_tables(result: dict) -> None:
                 f"  {label:30s} {1e3 * n['best_step_s'][label]:7.2f} ms/step  {ratio:5.2f}x quiet  "
                 f"({run['threads_used']} threads: {run['thread_reason']})"
             )
+        print(f"  burner vs quiet at the same CPU limit: {n['burner_vs_quiet_same_limit']:.2f}x")
 
 
 def main() -> None:
