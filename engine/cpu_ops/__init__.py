@@ -6,7 +6,7 @@ projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it); th
 work of a layer (`fused.py` binds `fused.cpp`: RMSNorm with the residual add, SwiGLU, rotary, the KV
 store; `engine/layers/` calls them); and a whole float32 decode step of the decoder layers in one
 call (`decoder.py` binds `decoder.cpp`, made of the same pieces; `engine/models/llama.py` calls it
-for steps of 1..8 decodes, where per-call overhead was a quarter of the step).
+for steps of 1..8 decodes, where per-call overhead was a quarter to a third of the step).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of

@@ -10,7 +10,7 @@ every one must be filled by `load_weights`, which reports any that were not.
 A float32 CPU step of 1..8 decodes runs every layer and the final norm in one compiled call
 (`cpu_ops.decoder_op()`, the same arithmetic as the layers' own compiled ops, bit for bit) when the
 op is available and nothing hooks into the layers (tensor parallelism's all-reduce hooks do): at
-that size the per-layer calls cost a quarter of the step.
+that size the per-layer calls cost a quarter to a third of the step (bench/README.md).
 """
 
 from __future__ import annotations
@@ -107,7 +107,6 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, cos_sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
-
 
     def decode_tensors(self) -> dict[str, torch.Tensor | None]:
         """This layer's weights by `cpu_ops.decoder.LAYER_FIELDS` name (what the one-call decode step reads)."""
