@@ -61,6 +61,7 @@ def threads_left(before: set[int | None], grace_s: float = 10.0) -> str:
     wants the GIL back with pthread_exit; inside a kubernetes client call (pydantic-core's Rust
     frames cannot be unwound) that aborts pytest with SIGABRT and no message after every test passed.
     """
+    _stop_library_threads()
     deadline = time.monotonic() + grace_s
     left = [
         t
@@ -78,6 +79,15 @@ def threads_left(before: set[int | None], grace_s: float = 10.0) -> str:
         for t in left
         if t.ident in frames
     )
+
+
+def _stop_library_threads() -> None:
+    """Stop the background threads libraries start on their own and never need stopping: tqdm's monitor
+    (started by the first progress bar, e.g. an image build's; it only waits on an Event)."""
+    tqdm_module = sys.modules.get("tqdm")
+    monitor = getattr(getattr(tqdm_module, "tqdm", None), "monitor", None)
+    if monitor is not None:
+        monitor.exit()  # sets its stop event and joins it
 
 
 @contextlib.contextmanager
