@@ -121,13 +121,11 @@ def _engine(path: Path) -> LLM:
     return LLM(str(path), show_progress=False, max_num_seqs=4, num_kv_blocks=32)
 
 
-def _decode_inputs(llm: LLM, batch: int) -> tuple:
-    """A decode step's model inputs, built by the runner from real scheduled sequences."""
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    llm.generate([[7 + i] * (5 + 3 * i) for i in range(batch)], params, use_tqdm=False)
+def _decode_inputs(llm: LLM, seed: int) -> tuple:
+    """The engine's model and its KV caches, filled with random numbers so attention reads real values."""
     runner = llm.engine.runner
     model = runner.model
-    gen = torch.Generator().manual_seed(batch)
+    gen = torch.Generator().manual_seed(seed)
     caches = runner.kv_caches
     for k, v in caches:  # nonzero caches, so attention reads real numbers
         k.copy_(torch.randn(k.shape, generator=gen))
