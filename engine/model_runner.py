@@ -5,7 +5,8 @@ head_dim], zero-initialised so padded decode reads are finite), builds input ids
 slot mapping, block tables and masks once per step, runs the model, computes logits only
 for the sequences that sample this step, and hands those to the sampler. On CPU, when the compiled
 GEMV is unavailable (`layers.linear`), it first stores the model's wide projections [in, out]
-(`layers.weight_layout`), once, at construction.
+(`layers.weight_layout`), once, at construction. On CPU the weights and the KV cache then live in
+memory advised for transparent huge pages (`hugepages`): fewer TLB misses while every step streams them.
 
 On CUDA, host lists become device tensors through pinned memory with non-blocking copies, and
 decode-only steps replay a CUDA graph per batch-size bucket (`cuda_graphs`; off with
@@ -20,6 +21,7 @@ import os
 
 import torch
 
+from . import hugepages
 from .config import ModelConfig
 from .cuda_graphs import CudaGraphBackend, DecodeBatch, DecodeGraphs, GraphBackend, GraphInputs, capture_sizes
 from .layers.attention_backend import (
@@ -69,6 +71,8 @@ class ModelRunner:
         self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
         if device.type == "cpu" and isinstance(model, torch.nn.Module) and not uses_compiled_gemv():
             apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
+        if device.type == "cpu" and isinstance(model, torch.nn.Module):
+            hugepages.pack_weights(model)  # after the layout change: it moves the tensors as they now are
         if graph_backend is None and _graphs_wanted(model, device):
             graph_backend = CudaGraphBackend(device)
         self.graphs: DecodeGraphs | None = None
@@ -79,13 +83,12 @@ class ModelRunner:
                                        device, graph_backend)  # fmt: skip
             num_blocks += 1  # the padding rows' sink block
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=config.torch_dtype, device=device),
-                torch.zeros(shape, dtype=config.torch_dtype, device=device),
-            )
-            for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(config.num_hidden_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return hugepages.zeros(shape, self.config.torch_dtype)
+        return torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
