@@ -11,6 +11,13 @@
 // Accumulation is in float32 with independent vector accumulators per input row (FMA latency hiding),
 // then one horizontal sum; results differ from a BLAS GEMM only by summation order. Threads: the
 // caller passes torch's intra-op count (the library shares torch's OpenMP runtime, see build.py).
+//
+// Above MAX_BATCH input rows (a decode batch of tens of sequences) the same row kernel runs on the
+// inputs MAX_BATCH at a time inside each claimed block of rows: the block (32 x in floats, tens of
+// KB) is read from memory once and from L2 for the later groups, and each group of inputs stays in
+// L1 across the block's rows. Bandwidth stays one read of the weights; the arithmetic grows with
+// the batch, so from some batch up a blocked GEMM wins (where: bench/gemv.py, `linear.py`).
+#include <algorithm>
 #include <cstdint>
 
 #include "gemv.h"
@@ -39,6 +46,38 @@ constexpr GemvFn KERNELS[MAX_BATCH + 1] = {
     gemv_rows<5>,     gemv_rows<6>, gemv_rows<7>, gemv_rows<8>,
 };
 
+// Rows [lo, hi) of the weights times B input rows (one group of a wide batch).
+template <int B>
+void group_rows(const float* w, const float* x, float* y, int64_t lo, int64_t hi, int64_t in, int64_t ldx,
+                int64_t ldy) {
+  for (int64_t o = lo; o < hi; ++o) {
+    float out[B];
+    row_dot<B>(w + o * in, x, ldx, in, out);
+    for (int b = 0; b < B; ++b) y[b * ldy + o] = out[b];
+  }
+}
+
+using GroupFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+constexpr GroupFn GROUPS[MAX_BATCH + 1] = {
+    nullptr,            group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
+    group_rows<5>,      group_rows<6>, group_rows<7>, group_rows<8>,
+};
+
+constexpr int64_t BLOCK_ROWS = 32;
+
+void gemv_wide(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in, int64_t ldx,
+               int64_t ldy, int num_threads) {
+  const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
+  for (int64_t block = 0; block < blocks; ++block) {
+    const int64_t lo = block * BLOCK_ROWS, hi = std::min(rows, lo + BLOCK_ROWS);
+    for (int64_t b = 0; b < batch; b += MAX_BATCH) {
+      const int64_t group = std::min<int64_t>(MAX_BATCH, batch - b);
+      GROUPS[group](w, x + b * ldx, y + b * ldy, lo, hi, in, ldx, ldy);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tidepool
 
@@ -46,7 +85,9 @@ constexpr GemvFn KERNELS[MAX_BATCH + 1] = {
 
 extern "C" {
 
-TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_BATCH; }
+TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_BATCH; }  // one pass of the row kernel
+
+TP_EXPORT int tp_gemv_max_wide_batch() { return tidepool::MAX_WIDE_BATCH; }  // groups of MAX_BATCH
 
 TP_EXPORT int tp_gemv_has_openmp() {
 #ifdef _OPENMP
@@ -60,8 +101,12 @@ TP_EXPORT int tp_gemv_has_openmp() {
 // Returns 0, or -1 for arguments it does not take (the caller checks them first; this is a backstop).
 TP_EXPORT int tp_gemv_f32(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
                           int64_t ldx, int64_t ldy, int32_t num_threads) {
-  if (batch < 1 || batch > tidepool::MAX_BATCH || rows < 1 || in < 1 || ldx < in || ldy < rows) return -1;
-  tidepool::KERNELS[batch](w, x, y, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
+  if (batch < 1 || batch > tidepool::MAX_WIDE_BATCH || rows < 1 || in < 1 || ldx < in || ldy < rows) return -1;
+  num_threads = num_threads < 1 ? 1 : num_threads;
+  if (batch <= tidepool::MAX_BATCH)
+    tidepool::KERNELS[batch](w, x, y, rows, in, ldx, ldy, num_threads);
+  else
+    tidepool::gemv_wide(w, x, y, batch, rows, in, ldx, ldy, num_threads);
   return 0;
 }
 

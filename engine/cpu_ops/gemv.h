@@ -14,7 +14,8 @@
 namespace tidepool {
 namespace {
 
-constexpr int MAX_BATCH = 8;
+constexpr int MAX_BATCH = 8;         // inputs one pass of row_dot takes
+constexpr int MAX_WIDE_BATCH = 256;  // gemv.cpp's grouped kernel: a bound on the arguments, not a tuning
 
 // Independent accumulators per input row: enough to hide FMA latency, few enough that B x U of them
 // plus the weight vectors fit the 16 vector registers of AVX2 (no spills at B = 8).

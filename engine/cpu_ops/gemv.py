@@ -1,14 +1,15 @@
 """Python binding of the compiled small-batch float32 GEMV (`gemv.cpp`): decode's projections on CPU.
 
 `CpuGemv(path)` loads a built library with ctypes. `gemv(x, weight)` computes `x @ weight.T` for a
-float32 `x` of 1..`max_batch` rows and a contiguous float32 `[out, in]` weight, with torch's current
+float32 `x` of 1..`max_batch` rows (`MAX_ROWS`) and a contiguous float32 `[out, in]` weight, with torch's current
 intra-op thread count and the GIL released; `accepts(x, weight)` says whether a call qualifies (the
 caller falls back to `F.linear` otherwise: prefill, big batches, other dtypes, quantized or sliced
 weights).
 
 Why: at 2-8 rows torch's CPU GEMM reads the weights at a fraction of the bandwidth it reaches at one
 row (measured in bench/gemv.py), so a decode batch of a few requests cost several times one request
-although the weights are read once either way. The kernel reads each weight row once per call.
+although the weights are read once either way; at 9-32 rows a decode step through MKL took twice
+the time of one at 8. The kernel reads each weight row once per call.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import torch
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
+# Input rows a call takes. Above 8 the kernel runs the inputs in groups of 8 over each block of weight
+# rows (gemv.cpp): one read of the weights, arithmetic that grows with the rows. Measured in the engine
+# on SmolLM2 against the torch path it replaces (bench/README.md "Decode batches above 8"): decode steps
+# 1.3-1.9x faster at 9-32 sequences, even at 48-96, 1.3x at 128; microbenchmarks with the weights
+# cache-hot have MKL ahead from ~192 rows, where prefill-sized products belong to it.
+MAX_ROWS = 128
+
 
 class CpuGemv:
     """The loaded op (see the module docstring)."""
@@ -28,11 +36,12 @@ class CpuGemv:
         self.path = path
         lib = ctypes.CDLL(str(path))
         lib.tp_gemv_max_batch.restype = ctypes.c_int
+        lib.tp_gemv_max_wide_batch.restype = ctypes.c_int
         lib.tp_gemv_has_openmp.restype = ctypes.c_int
         lib.tp_gemv_f32.restype = ctypes.c_int
         lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
         self._fn = lib.tp_gemv_f32
-        self.max_batch = int(lib.tp_gemv_max_batch())
+        self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_wide_batch()))
         self.has_openmp = bool(lib.tp_gemv_has_openmp())
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,8 +1,8 @@
 """The engine's dense projections: `linear(x, weight, bias)`, F.linear's contract, faster at decode on CPU.
 
-A float32 call with 1..`max_batch` (8) rows on the CPU (decode of a few sequences) goes to the compiled GEMV
+A float32 call with 1..`max_batch` (128) rows on the CPU (a decode batch) goes to the compiled GEMV
 (`engine/cpu_ops/gemv.py`) when it is available and the weight is a contiguous `[out, in]` tensor;
-everything else (prefill, big batches, other dtypes, accelerators, quantized weights, TP-sliced
+everything else (longer prefill chunks, other dtypes, accelerators, quantized weights, TP-sliced
 views) is `F.linear` itself, but for the transposed product below. They differ only in float
 summation order.
 
@@ -10,10 +10,11 @@ With the compiled GEMV in use the weights keep their `[out, in]` layout (`weight
 float32 projections `[in, out]` only for the torch path, where that layout streams faster at one
 row); `uses_compiled_gemv()` is what the model runner asks before choosing.
 
-Above the GEMV's rows and up to `TRANSPOSED_MAX_ROWS` (a decode batch of tens of sequences) a
-float32 CPU projection is computed as `(weight @ x.T).T`: the same products (equal bit for bit
-from 16 rows up in bench/gemm_orientation.py, summed in another order at 9), but MKL's kernel for
-that orientation (many output rows, few columns) ran 1.1-1.4x faster on the layer projections at
+Where the compiled GEMV is off (no compiler, ``TIDEPOOL_CPU_GEMV=torch``) or does not take the
+call, a float32 CPU projection with a contiguous `[out, in]` weight and up to `TRANSPOSED_MAX_ROWS`
+rows (a decode batch of tens of sequences) is computed as `(weight @ x.T).T`: the same products
+(equal bit for bit from 16 rows up in bench/gemm_orientation.py, summed in another order at 9), but
+MKL's kernel for that orientation (many output rows, few columns) ran 1.1-1.4x faster on the layer projections at
 16-96 rows and up to 1.3-1.9x on a 49,152-row LM head (two runs); from 128 rows (prefill) F.linear's
 is as fast or faster (bench/README.md, "Decode GEMM orientation").
 """

@@ -1,6 +1,7 @@
 """The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them.
 
-Random shapes cover every batch the kernel takes (1..8), inner sizes that are and are not multiples
+Random shapes cover every batch of the one-pass kernel (1..8), grouped batches above it (full groups of
+8 and a remainder) up to the largest the op takes, inner sizes that are and are not multiples
 of the vector width and of the unrolled chunk, strided inputs, and the real model's widths; values
 must agree with F.linear to float32 summation-order tolerance.
 """
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tidepool.engine import cpu_ops
+from tidepool.engine.cpu_ops.gemv import MAX_ROWS
 from tidepool.engine.layers import linear as linear_mod
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -30,7 +32,7 @@ def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("batch", range(1, 9))
+@pytest.mark.parametrize("batch", [*range(1, 9), 9, 13, 16, 31, 64, MAX_ROWS])
 @pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536)])
 def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
@@ -50,13 +52,13 @@ def test_strided_rows_and_bias_through_linear(op: cpu_ops.CpuGemv) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["nine-rows", "bfloat16", "transposed-weight", "column-strided-x", "three-dims"],
+    ["too-many-rows", "bfloat16", "transposed-weight", "column-strided-x", "three-dims"],
 )
 def test_everything_else_is_f_linear(op: cpu_ops.CpuGemv, case: str) -> None:
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 40, generator=gen), torch.randn(24, 40, generator=gen)
-    if case == "nine-rows":
-        x = torch.randn(9, 40, generator=gen)
+    if case == "too-many-rows":
+        x = torch.randn(op.max_batch + 1, 40, generator=gen)
     elif case == "bfloat16":
         x, w = x.bfloat16(), w.bfloat16()
     elif case == "transposed-weight":
@@ -82,8 +84,30 @@ def test_torch_mode_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_ops.reset()
 
 
+def test_the_op_takes_decode_batches_up_to_its_rows(op: cpu_ops.CpuGemv, monkeypatch: pytest.MonkeyPatch) -> None:
+    op = cpu_ops.gemv_op()  # the instance `linear` asks for (another test may have reset the fixture's)
+    assert op is not None and op.max_batch == MAX_ROWS
+    calls: list[int] = []
+    real = op.try_call
+
+    def spy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        y = real(x, weight)
+        calls.append(-1 if y is None else x.shape[0])
+        return y
+
+    monkeypatch.setattr(op, "try_call", spy)
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 64, generator=gen)
+    for rows in (1, 9, MAX_ROWS, MAX_ROWS + 1):
+        x = torch.randn(rows, 64, generator=gen)
+        close(linear_mod.linear(x, w), F.linear(x, w), 64)
+    assert calls == [1, 9, MAX_ROWS, -1]
+
+
 @pytest.mark.parametrize("rows", [9, 16, 64, linear_mod.TRANSPOSED_MAX_ROWS, linear_mod.TRANSPOSED_MAX_ROWS + 1, 300])
-def test_decode_batches_take_the_transposed_product(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_path_takes_the_transposed_product(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_ops.GEMV_MODE_ENV, "torch")  # the path without a compiler
+    cpu_ops.reset()
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
     b = torch.randn(960, generator=gen)
@@ -95,7 +119,11 @@ def test_decode_batches_take_the_transposed_product(rows: int, monkeypatch: pyte
         return real_mm(a, other)
 
     monkeypatch.setattr(torch, "mm", spy)
-    y = linear_mod.linear(x, w, b)
+    try:
+        y = linear_mod.linear(x, w, b)
+    finally:
+        monkeypatch.undo()
+        cpu_ops.reset()
     assert calls == ([(960, 576)] if rows <= linear_mod.TRANSPOSED_MAX_ROWS else [])
     assert y.shape == (rows, 960) and y.is_contiguous()
     close(y, F.linear(x, w, b), 576)  # MKL sums in another order at some sizes (9 rows here)
