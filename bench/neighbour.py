@@ -30,6 +30,7 @@ class DecodeRun:
     thread_reason: str
     with_burner: bool
     step_s: float
+    read_bandwidth_GBps: float  # a 1 GiB streaming read with the engine's threads, after the steps
 
 
 def _burn(stop: mp.Event) -> None:  # type: ignore[valid-type]
@@ -58,7 +59,11 @@ def _child(
         engine.step()
         times.append(time.perf_counter() - start)
     times.sort()
-    queue.put((times[len(times) // 2], engine.threads.num_threads, engine.threads.reason))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import read_bandwidth
+
+    bandwidth = read_bandwidth() / 1e9
+    queue.put((times[len(times) // 2], engine.threads.num_threads, engine.threads.reason, bandwidth))
 
 
 def run_decode(
@@ -81,7 +86,7 @@ def run_decode(
     child = ctx.Process(target=_child, args=(model, cpus, threads, env or {}, context_len, steps, queue))
     try:
         child.start()
-        step_s, used, reason = queue.get(timeout=1800)
+        step_s, used, reason, bandwidth = queue.get(timeout=1800)
         child.join(60)
     finally:
         stop.set()
@@ -91,7 +96,7 @@ def run_decode(
                 burner.terminate()
         if child.is_alive():
             child.terminate()
-    return DecodeRun(label, cpus, threads, used, reason, with_burner, step_s)
+    return DecodeRun(label, cpus, threads, used, reason, with_burner, step_s, bandwidth)
 
 
 def measure(model: str, context_len: int = 128, steps: int = 32, rounds: int = 2) -> dict:
@@ -120,12 +125,16 @@ def measure(model: str, context_len: int = 128, steps: int = 32, rounds: int = 2
         for label, mask, threads, burn, env in scenarios:
             runs.append(run_decode(model, mask, threads, burn, context_len, steps, label, env))
     best = {label: min(r.step_s for r in runs if r.label == label) for label, *_ in scenarios}
+    bandwidth = {label: max(r.read_bandwidth_GBps for r in runs if r.label == label) for label, *_ in scenarios}
     quiet = best["quiet"]
     return {
         "runs": [asdict(r) for r in runs],
         "best_step_s": best,
         "slowdown_vs_quiet": {label: s / quiet for label, s in best.items()},
         "burner_vs_quiet_same_limit": best[f"burner, {limit}"] / best[f"quiet, {limit}"],
+        # A step bound by read bandwidth cannot be less slower at the limit than the bandwidth is lower there.
+        "read_bandwidth_GBps": bandwidth,
+        "read_bandwidth_quiet_vs_limit": bandwidth["quiet"] / bandwidth[f"quiet, {limit}"],
     }
 
 
@@ -140,6 +149,7 @@ def main() -> None:
     for label, ratio in result["slowdown_vs_quiet"].items():
         print(f"{label:32s} {1e3 * result['best_step_s'][label]:8.2f} ms/step  {ratio:5.2f}x quiet")
     print(f"burner vs quiet at the same CPU limit: {result['burner_vs_quiet_same_limit']:.2f}x")
+    print(f"read bandwidth, quiet vs quiet at the limit: {result['read_bandwidth_quiet_vs_limit']:.2f}x")
     json.dump(result, sys.stdout, indent=2)
 
 

@@ -255,6 +255,10 @@ def print_tables(result: dict) -> None:
                 f"({run['threads_used']} threads: {run['thread_reason']})"
             )
         print(f"  burner vs quiet at the same CPU limit: {n['burner_vs_quiet_same_limit']:.2f}x")
+        cells = ", ".join(f"{label} {gbps:.1f}" for label, gbps in n["read_bandwidth_GBps"].items())
+        print(f"  read bandwidth (GB/s, with each run's threads): {cells}")
+        ratio = n["read_bandwidth_quiet_vs_limit"]
+        print(f"  quiet reads {ratio:.2f}x faster than quiet at the limit: a bandwidth-bound step slows at least that")
 
 
 def main() -> None:
