@@ -74,7 +74,8 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(8, 4))
         for key, label in (("grouped_tok_s", "compiled GEMV, grouped above 8"), ("torch_tok_s", "torch GEMM above 8")):
             ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label)
-        ax.set(xlabel="sequences decoding", ylabel="output tokens/s", title=f"{name.split(' (')[0]}: decode by batch size")
+        title = f"{name.split(' (')[0]}: decode by batch size"
+        ax.set(xlabel="sequences decoding", ylabel="output tokens/s", title=title)
         ax.set_xscale("log", base=2)
         ax.legend()
         fig.tight_layout()

@@ -4,7 +4,7 @@ Why: a CPU decode step streams every weight once. With 4 KiB pages that is one T
 4 KiB and a page walk whenever the stream crosses into a page the TLB has not seen; with 2 MiB
 pages the same weights need 512× fewer entries. Measured on the 2-core development VM (SmolLM2-135M,
 float32, bs=1, in-process A/B over the same weights): the step was ~1.1-1.2× faster with the
-weights in huge pages (bench/README.md "Weights in huge pages"). Linux grants huge pages to
+weights in huge pages (bench/README.md, "Weights in huge pages; decode batches above 8"). Linux grants huge pages to
 anonymous memory only when the THP mode is ``always``, or ``madvise`` and the range was advised
 (``MADV_HUGEPAGE``); most distributions (and this VM) ship ``madvise``, so nothing happens unless
 we ask. PyTorch's own switch (``THP_MEM_ALLOC_ENABLE``) is read once, process-wide, when the first
@@ -88,12 +88,12 @@ def advised_empty(num_bytes: int) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor of `num_bytes`, starting on a 2 MiB boundary and advised for huge pages.
 
     Advise before the first touch: the kernel then faults the range in 2 MiB at a time. A failed
-    madvise (old kernel, THP compiled out) leaves an ordinary buffer and logs the errno once.
+    madvise (old kernel, THP compiled out) leaves an ordinary buffer and logs a warning.
     """
-    raw = torch.empty(num_bytes + HUGE_PAGE, dtype=torch.uint8)
+    length = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside the allocation below
+    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % HUGE_PAGE
     buffer = raw[offset : offset + num_bytes]
-    length = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages; the slack above is ours
     error = _madvise(buffer.data_ptr(), length) if num_bytes else 0
     if error:
         logger.warning("huge pages: madvise failed (%s); this buffer uses ordinary pages", os.strerror(error))

@@ -1,10 +1,10 @@
 """Python binding of the compiled small-batch float32 GEMV (`gemv.cpp`): decode's projections on CPU.
 
 `CpuGemv(path)` loads a built library with ctypes. `gemv(x, weight)` computes `x @ weight.T` for a
-float32 `x` of 1..`max_batch` rows (`MAX_ROWS`) and a contiguous float32 `[out, in]` weight, with torch's current
-intra-op thread count and the GIL released; `accepts(x, weight)` says whether a call qualifies (the
-caller falls back to `F.linear` otherwise: prefill, big batches, other dtypes, quantized or sliced
-weights).
+float32 `x` of 1..`max_batch` rows (`MAX_ROWS`) and a contiguous float32 `[out, in]` weight, with
+torch's current intra-op thread count and the GIL released; `accepts(x, weight)` says whether a call
+qualifies (the caller falls back to `F.linear` otherwise: long prefill chunks, other dtypes,
+quantized or sliced weights).
 
 Why: at 2-8 rows torch's CPU GEMM reads the weights at a fraction of the bandwidth it reaches at one
 row (measured in bench/gemv.py), so a decode batch of a few requests cost several times one request
@@ -23,9 +23,10 @@ _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 # Input rows a call takes. Above 8 the kernel runs the inputs in groups of 8 over each block of weight
 # rows (gemv.cpp): one read of the weights, arithmetic that grows with the rows. Measured in the engine
-# on SmolLM2 against the torch path it replaces (bench/README.md "Decode batches above 8"): decode steps
-# 1.3-1.9x faster at 9-32 sequences, even at 48-96, 1.3x at 128; microbenchmarks with the weights
-# cache-hot have MKL ahead from ~192 rows, where prefill-sized products belong to it.
+# on SmolLM2 against the torch path it replaces (bench/decode_batches.py; bench/README.md, "Weights in
+# huge pages; decode batches above 8"): decode steps 1.1-1.7x faster at 9-64 sequences, 0.93x at 96,
+# 1.37x at 128; a microbenchmark with the weights cache-hot has MKL ahead from ~192 rows, where
+# prefill-sized products belong to it.
 MAX_ROWS = 128
 
 
