@@ -15,6 +15,10 @@ import openai
 import pytest
 from router_helpers import Engines, Proc, engine_counters, metric_value, replica_states, wait_for, wait_ready
 
+from tidepool.engine.router.cli import build_parser
+from tidepool.engine.router.policy import HashRing
+from tidepool.engine.router.prefix import prefix_key
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "def fibonacci(n):", "Once upon a time"]
@@ -30,9 +34,29 @@ def complete(url: str, prompt: str, **kwargs: Any) -> str:
     return out.choices[0].text
 
 
+def router_flags(engines: Engines) -> list[str]:
+    return ["--unified-url", engines.a.url, "--unified-url", engines.b.url, "--policy", "prefix-aware"]
+
+
+def prompts_placed(engines: Engines, per_replica: int) -> list[str]:
+    """Short prompts, `per_replica` of them hashed to each replica by the router's own key and ring (the
+    replicas' ports are random, so fixed prompts could all land on one), alternating a and b."""
+    args = build_parser().parse_args(router_flags(engines))
+    ring = HashRing([engines.a.url, engines.b.url], args.virtual_nodes)
+    placed: dict[str, list[str]] = {engines.a.url: [], engines.b.url: []}
+    for i in range(10_000):
+        prompt = f"Story {i}: once upon a time there was"
+        target = placed[ring.lookup(prefix_key(prompt, args.prefix_block_chars, args.prefix_max_blocks) or b"")]
+        if len(target) < per_replica:
+            target.append(prompt)
+        if all(len(group) == per_replica for group in placed.values()):
+            return [p for pair in zip(*placed.values(), strict=True) for p in pair]
+    raise AssertionError("no prompts hash to both replicas")
+
+
 @pytest.fixture(scope="module")
 def router(engines: Engines) -> Proc:
-    proc = engines.router("--unified-url", engines.a.url, "--unified-url", engines.b.url, "--policy", "prefix-aware")
+    proc = engines.router(*router_flags(engines))
     wait_ready(proc)
     wait_for(lambda: list(replica_states(proc.url).values()) == ["ready", "ready"], what="both replicas ready")
     return proc
@@ -79,7 +103,7 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(engines
 def test_a_killed_replica_fails_or_retries_in_flight_requests_and_new_ones_avoid_it(
     engines: Engines, router: Proc
 ) -> None:
-    prompts = [f"Story {i}: once upon a time there was" for i in range(8)]
+    prompts = prompts_placed(engines, 4)  # four on each: b has requests in flight when it is killed
     results: dict[int, tuple[str, str]] = {}
 
     def run(i: int) -> None:
