@@ -29,24 +29,7 @@
 namespace tidepool {
 namespace {
 
-template <int B>
-void gemv_rows(const float* w, const float* x, float* y, int64_t rows, int64_t in, int64_t ldx, int64_t ldy,
-               int num_threads) {
-#pragma omp parallel for schedule(dynamic, 32) num_threads(num_threads) if (num_threads > 1)
-  for (int64_t o = 0; o < rows; ++o) {
-    float out[B];
-    row_dot<B>(w + o * in, x, ldx, in, out);
-    for (int b = 0; b < B; ++b) y[b * ldy + o] = out[b];
-  }
-}
-
-using GemvFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int);
-constexpr GemvFn KERNELS[MAX_BATCH + 1] = {
-    nullptr,          gemv_rows<1>, gemv_rows<2>, gemv_rows<3>, gemv_rows<4>,
-    gemv_rows<5>,     gemv_rows<6>, gemv_rows<7>, gemv_rows<8>,
-};
-
-// Rows [lo, hi) of the weights times B input rows (one group of a wide batch).
+// Rows [lo, hi) of the weights times B input rows (a whole batch of 1..MAX_BATCH, or one group of a wider one).
 template <int B>
 void group_rows(const float* w, const float* x, float* y, int64_t lo, int64_t hi, int64_t in, int64_t ldx,
                 int64_t ldy) {
@@ -65,8 +48,9 @@ constexpr GroupFn GROUPS[MAX_BATCH + 1] = {
 
 constexpr int64_t BLOCK_ROWS = 32;
 
-void gemv_wide(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in, int64_t ldx,
-               int64_t ldy, int num_threads) {
+// Threads claim BLOCK_ROWS-row blocks; each block is multiplied with the inputs MAX_BATCH at a time.
+void gemv(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in, int64_t ldx,
+          int64_t ldy, int num_threads) {
   const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
   for (int64_t block = 0; block < blocks; ++block) {
@@ -85,9 +69,7 @@ void gemv_wide(const float* w, const float* x, float* y, int64_t batch, int64_t 
 
 extern "C" {
 
-TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_BATCH; }  // one pass of the row kernel
-
-TP_EXPORT int tp_gemv_max_wide_batch() { return tidepool::MAX_WIDE_BATCH; }  // groups of MAX_BATCH
+TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // input rows one call takes
 
 TP_EXPORT int tp_gemv_has_openmp() {
 #ifdef _OPENMP
@@ -102,11 +84,7 @@ TP_EXPORT int tp_gemv_has_openmp() {
 TP_EXPORT int tp_gemv_f32(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
                           int64_t ldx, int64_t ldy, int32_t num_threads) {
   if (batch < 1 || batch > tidepool::MAX_WIDE_BATCH || rows < 1 || in < 1 || ldx < in || ldy < rows) return -1;
-  num_threads = num_threads < 1 ? 1 : num_threads;
-  if (batch <= tidepool::MAX_BATCH)
-    tidepool::KERNELS[batch](w, x, y, rows, in, ldx, ldy, num_threads);
-  else
-    tidepool::gemv_wide(w, x, y, batch, rows, in, ldx, ldy, num_threads);
+  tidepool::gemv(w, x, y, batch, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
   return 0;
 }
 

@@ -37,12 +37,11 @@ class CpuGemv:
         self.path = path
         lib = ctypes.CDLL(str(path))
         lib.tp_gemv_max_batch.restype = ctypes.c_int
-        lib.tp_gemv_max_wide_batch.restype = ctypes.c_int
         lib.tp_gemv_has_openmp.restype = ctypes.c_int
         lib.tp_gemv_f32.restype = ctypes.c_int
         lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
         self._fn = lib.tp_gemv_f32
-        self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_wide_batch()))
+        self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_batch()))
         self.has_openmp = bool(lib.tp_gemv_has_openmp())
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
