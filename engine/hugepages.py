@@ -171,10 +171,10 @@ def pack_weights(model: nn.Module) -> PackReport:
             report.skipped += 1
             continue
         tensors[id(tensor)] = (tensor, strides)
-    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t, _ in tensors.values()]
     if not tensors:
         report.reason = "no CPU weights to move"
         return report
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t, _ in tensors.values()]
     arena = advised_empty(sum(sizes))
     offset = 0
     with torch.no_grad():
@@ -186,7 +186,6 @@ def pack_weights(model: nn.Module) -> PackReport:
             offset += size
             report.moved += 1
             report.num_bytes += nbytes
-    report.reason = None
     report.huge_bytes = huge_page_bytes(arena)
     logger.info("huge pages: %s", report.summary())
     return report

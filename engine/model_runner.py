@@ -69,9 +69,9 @@ class ModelRunner:
         self.sampler = sampler
         # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
         self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
-        if device.type == "cpu" and isinstance(model, torch.nn.Module) and not uses_compiled_gemv():
-            apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
         if device.type == "cpu" and isinstance(model, torch.nn.Module):
+            if not uses_compiled_gemv():
+                apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
             hugepages.pack_weights(model)  # after the layout change: it moves the tensors as they now are
         if graph_backend is None and _graphs_wanted(model, device):
             graph_backend = CudaGraphBackend(device)
