@@ -11,6 +11,7 @@ copy) is kept for reference only: a decode step reads its weights, it does not c
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import time
@@ -57,6 +58,24 @@ def random_workload(
         )
         for _ in range(num_requests)
     ]
+
+
+def decode_prompts(batch: int, context_len: int) -> list[list[int]]:
+    """`batch` distinct prompts of `context_len` token ids (no shared prefix beyond a token)."""
+    return [[3 + (i + j) % 500 for j in range(context_len)] for i in range(batch)]
+
+
+def add_decode_arguments(
+    parser: argparse.ArgumentParser, batches: str, steps: int, rounds: int, out: Path
+) -> argparse.ArgumentParser:
+    """The arguments of the in-process decode A/B benchmarks (weight_pages.py, decode_batches.py)."""
+    parser.add_argument("--model", required=True, help="a Hugging Face folder or a .gguf file")
+    parser.add_argument("--batches", default=batches, help="comma-separated numbers of sequences decoding")
+    parser.add_argument("--context-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=steps, help="decode steps timed per measurement")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:

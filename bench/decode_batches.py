@@ -19,9 +19,9 @@ import json
 import statistics
 from pathlib import Path
 
-from offline_throughput import resolve_model
-from weight_pages import _decode
+from offline_throughput import resolve_model, tidepool_decode_steps
 
+from common import add_decode_arguments, decode_prompts
 from tidepool.engine import LLM, cpu_ops
 from tidepool.engine.cpu_ops.gemv import MAX_ROWS
 
@@ -30,13 +30,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "decode_batches"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face folder or a .gguf file")
-    parser.add_argument("--batches", default="1,4,8,9,12,16,24,32,48,64,96,128")
-    parser.add_argument("--context-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    batches = "1,4,8,9,12,16,24,32,48,64,96,128"
+    args = add_decode_arguments(parser, batches, steps=12, rounds=2, out=RESULTS).parse_args()
 
     op = cpu_ops.gemv_op()
     if op is None:
@@ -50,7 +45,8 @@ def main() -> None:
         for b in batches:
             for label in limits if r % 2 == 0 else reversed(limits):
                 op.max_batch = limits[label]
-                steps[b][label].append(_decode(llm.engine, b, args.context_len, args.steps, f"{label}{r}b{b}")[0])
+                prompts = decode_prompts(b, args.context_len)
+                steps[b][label].append(tidepool_decode_steps(llm, prompts, args.steps)["step_s"])
             g, t = steps[b]["grouped"][-1], steps[b]["torch"][-1]
             print(f"round {r} bs={b:3d}: grouped {1e3 * g:7.1f} ms ({b / g:5.0f} tok/s)  torch {1e3 * t:7.1f} ms "
                   f"({b / t:5.0f} tok/s)  {t / g:.2f}x", flush=True)  # fmt: skip

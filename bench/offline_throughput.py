@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -104,8 +105,9 @@ def decoder_mode(mode: str) -> Iterator[None]:
         cpu_ops.reset()
 
 
-def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: bool = False) -> dict[str, float]:
-    """Median decode step time with all `prompts` running (prefill excluded); optionally attention's share."""
+def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: bool = False) -> dict[str, Any]:
+    """Median decode step time with all `prompts` running (prefill excluded), the greedy tokens each prompt got
+    ("tokens", in prompt order); optionally attention's share."""
     from tidepool.engine import SamplingParams
     from tidepool.engine.models import llama
 
@@ -127,19 +129,20 @@ def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: 
             return out
 
         llama.paged_attention = timed
-    times, shares = [], []
+    times, shares, tokens = [], [], {}
     try:
         while engine.has_unfinished_requests():
             attn_s[0] = 0.0
             start = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             times.append(time.perf_counter() - start)
+            tokens.update((out.request_id, out.outputs[0].token_ids) for out in outputs if out.finished)
             shares.append(attn_s[0] / times[-1])
     finally:
         llama.paged_attention = original
     order = sorted(range(len(times)), key=times.__getitem__)
     mid = order[len(order) // 2]
-    result = {"step_s": times[mid]}
+    result = {"step_s": times[mid], "tokens": [tokens[f"decode-{i}"] for i in range(len(prompts))]}
     if attention:
         result["attention_share"] = sorted(shares)[len(shares) // 2]
     return result

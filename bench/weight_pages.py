@@ -17,45 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from offline_throughput import resolve_model
+from offline_throughput import resolve_model, tidepool_decode_steps
 
-from common import read_bandwidths
-from tidepool.engine.llm_engine import LLMEngine
+from common import add_decode_arguments, decode_prompts, read_bandwidths
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hugepages"
 
 
-def _decode(engine: LLMEngine, batch: int, context_len: int, steps: int, tag: str) -> tuple[float, list[list[int]]]:
-    from tidepool.engine import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [3 + (i + j) % 500 for j in range(context_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
-        engine.step()
-    times, tokens = [], {}
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), [tokens[k] for k in sorted(tokens)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a Hugging Face folder or a .gguf file")
-    parser.add_argument("--batches", default="1,16")
-    parser.add_argument("--context-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args = add_decode_arguments(parser, "1,16", steps=32, rounds=6, out=RESULTS).parse_args()
 
     from tidepool.engine import LLM, hugepages
 
@@ -87,9 +61,9 @@ def main() -> None:
         for label, side in order:
             use(side)
             for b in batches:
-                step, out = _decode(engine, b, args.context_len, args.steps, f"{label}{r}b{b}")
-                times[label][b].append(step)
-                tokens.setdefault((label, b), out)
+                out = tidepool_decode_steps(llm, decode_prompts(b, args.context_len), args.steps)
+                times[label][b].append(out["step_s"])
+                tokens.setdefault((label, b), out["tokens"])
         print(f"round {r}: " + "  ".join(f"bs={b} {1e3 * times['4k'][b][-1]:.1f}/{1e3 * times['huge'][b][-1]:.1f} ms"
                                         for b in batches))  # fmt: skip
     use(huge)
