@@ -6,7 +6,9 @@ projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it); th
 work of a layer (`fused.py` binds `fused.cpp`: RMSNorm with the residual add, SwiGLU, rotary, the KV
 store; `engine/layers/` calls them); and a whole float32 decode step of the decoder layers in one
 call (`decoder.py` binds `decoder.cpp`, made of the same pieces; `engine/models/llama.py` calls it
-for steps of 1..8 decodes, where per-call overhead was a quarter to a third of the step).
+for steps of 1..8 decodes, where per-call overhead was a quarter to a third of the step); and the
+group-wise int4 matmul of quantized projections (`int4_gemv.py` binds `int4_gemv.cpp`;
+`engine/quant/runtime.py` calls it).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of
@@ -27,6 +29,7 @@ Which path runs is decided once per process and op, on first use, and logged in 
     TIDEPOOL_CPU_FUSED=auto|torch|compiled  the same for the fused elementwise ops
     TIDEPOOL_CPU_DECODER=auto|torch|compiled  the same for the one-call decode step, which runs only
                                     where the attention, GEMV and fused ops are all compiled too
+    TIDEPOOL_CPU_INT4=auto|torch|compiled   the same for int4 projections (torch: kernels.dispatch)
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 """
@@ -44,21 +47,25 @@ from .build import BuildUnavailable, build_library
 from .decoder import CpuDecoder
 from .fused import CpuFused
 from .gemv import CpuGemv
+from .int4_gemv import CpuInt4Gemv
 from .paged_attention import CpuPagedAttention
 
 __all__ = [
     "DECODER_MODE_ENV",
     "FUSED_MODE_ENV",
     "GEMV_MODE_ENV",
+    "INT4_MODE_ENV",
     "MODES",
     "MODE_ENV",
     "CpuDecoder",
     "CpuFused",
     "CpuGemv",
+    "CpuInt4Gemv",
     "CpuPagedAttention",
     "decoder_op",
     "fused_op",
     "gemv_op",
+    "int4_op",
     "paged_attention_op",
     "reset",
 ]  # fmt: skip
@@ -67,13 +74,14 @@ MODE_ENV = "TIDEPOOL_CPU_ATTENTION"
 GEMV_MODE_ENV = "TIDEPOOL_CPU_GEMV"
 FUSED_MODE_ENV = "TIDEPOOL_CPU_FUSED"
 DECODER_MODE_ENV = "TIDEPOOL_CPU_DECODER"
+INT4_MODE_ENV = "TIDEPOOL_CPU_INT4"
 MODES = ("auto", "torch", "compiled")
 
 logger = logging.getLogger(__name__)
-Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused, CpuDecoder)
+Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused, CpuDecoder, CpuInt4Gemv)
 
 _lock = threading.Lock()
-_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | CpuDecoder | None] = {}
+_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | CpuDecoder | CpuInt4Gemv | None] = {}
 
 
 def paged_attention_op() -> CpuPagedAttention | None:
@@ -89,6 +97,11 @@ def gemv_op() -> CpuGemv | None:
 def fused_op() -> CpuFused | None:
     """The compiled fused elementwise ops, or None where torch's are to be used (decided once, logged once)."""
     return _op("CPU fused ops", FUSED_MODE_ENV, "fused", CpuFused)
+
+
+def int4_op() -> CpuInt4Gemv | None:
+    """The compiled int4 matmul, or None where kernels.dispatch's torch path is used (decided once, logged once)."""
+    return _op("CPU int4 matmul", INT4_MODE_ENV, "int4_gemv", CpuInt4Gemv)
 
 
 def decoder_op() -> CpuDecoder | None:

@@ -4,12 +4,16 @@ Role: the "swap" half of quantization. The Llama code computes every projection 
 ``F.linear(x, self.<name>_weight, bias)`` on a parameter; `swap_weight` replaces that parameter
 with a small module that holds the quantized tensors as buffers and implements
 ``__torch_function__`` for ``F.linear`` only, routing it to ``tidepool.kernels.dispatch``
-(`int8_linear` / `int4_linear`: Triton on CUDA, torch elsewhere). The model file is untouched.
+(`int8_linear` / `int4_linear`: Triton on CUDA, torch elsewhere); on CPU an int4 weight goes to the
+compiled op (`engine/cpu_ops/int4_gemv.py`) where it is available: `tile_for_cpu` (the model runner
+calls it once, at load) re-lays its buffers in that op's tiles. The model file is untouched.
 
 Invariants:
 - A quantized weight answers ``F.linear`` and nothing else (any other torch op raises TypeError
   naming it), so a code path that would silently read a dense weight fails loudly instead.
 - Buffers move with ``model.to(device)`` and count in `weight_bytes`.
+- A tiled int4 weight (``tiled``) holds its buffers in the CPU op's layout, not `int4_packing`'s, and
+  refuses to run anywhere but on the CPU with that op; tiling happens only on a CPU model.
 - A fused projection (q/k/v, gate/up) whose parts share one input permutation (or none) is one
   `Int4Weight` concatenated along N; parts with different act-order permutations stay separate
   inside a `ConcatWeight` (their outputs are concatenated). Group boundaries run along K, so
@@ -26,6 +30,8 @@ from torch import nn
 
 from ...kernels.dispatch import int4_linear, int8_linear
 from ...kernels.int4_packing import check_int4_shapes, offset_args
+from .. import cpu_ops
+from ..cpu_ops.int4_gemv import Int4Tiles, tile_weight
 from .formats import Int4Parts
 
 
@@ -87,11 +93,43 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("zeros", parts.zeros)
         self.register_buffer("mins", parts.mins)
         self.register_buffer("perm", parts.perm)
+        self.tiled = False  # True once `tile_for_cpu` re-laid the buffers for the compiled CPU op
+
+    def tile_for_cpu(self) -> bool:
+        """Re-lay the buffers in the compiled CPU op's tiles (`cpu_ops.int4_gemv.tile_weight`), in place of the
+        [K/8, N] layout, when that op is available here and reads these scales; returns whether it did."""
+        op = cpu_ops.int4_op()
+        if self.tiled or op is None or not op.takes_scales(self.scales.dtype) or self.qweight.device.type != "cpu":
+            return self.tiled
+        tiles = tile_weight(self.qweight, self.scales, self.zeros, self.group_size, self.mins)
+        self.qweight, self.scales = tiles.qweight, tiles.scales
+        if tiles.mins:
+            self.mins = tiles.offset
+        else:
+            self.zeros = tiles.offset
+        self.tiled = True
+        return True
+
+    def cpu_tiles(self) -> Int4Tiles | None:
+        """The tiled buffers as the compiled CPU ops take them (the one-call decode step reads them), or None
+        when not tiled or when an act-order permutation must first reorder the input."""
+        return self._tiles() if self.tiled and self.perm is None else None
+
+    def _tiles(self) -> Int4Tiles:
+        offset, is_min = (self.mins, True) if self.mins is not None else (self.zeros, False)
+        n, k = self.out_features, self.in_features
+        return Int4Tiles(self.qweight, self.scales, offset, is_min, n, k, self.group_size)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        return int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias, mins=self.mins)
+        if not self.tiled:
+            return int4_linear(x, self.qweight, self.scales, self.zeros, self.group_size, bias, mins=self.mins)
+        op = cpu_ops.int4_op()
+        if op is None or x.device.type != "cpu":
+            raise RuntimeError("this int4 weight was tiled for the compiled CPU op and runs on the CPU only")
+        y = op(x.reshape(-1, self.in_features), self._tiles()).to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
 
 class ConcatWeight(QuantizedWeight):
@@ -140,6 +178,11 @@ def fuse_int4(parts: list[Int4Parts]) -> QuantizedWeight:
 def fuse_int8(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> Int8Weight:
     """int8 parts ``(w_int8 [N_i, K], scales [N_i])`` stacked along N."""
     return Int8Weight(torch.cat([w for w, _ in parts], dim=0), torch.cat([s for _, s in parts], dim=0))
+
+
+def tile_for_cpu(model: nn.Module) -> int:
+    """Tile every int4 weight of a CPU model for the compiled op (`Int4Weight.tile_for_cpu`); returns how many."""
+    return sum(module.tile_for_cpu() for module in model.modules() if isinstance(module, Int4Weight))
 
 
 def swap_weight(model: nn.Module, param_name: str, weight: QuantizedWeight) -> None:
