@@ -19,7 +19,13 @@
 // (5 or 6 per layer); the residual alternates between two buffers so that thread 0 can write the
 // next one while the others still read the current one.
 //
-// Every piece is the function the per-call ops use (gemv.h, fused.h, attention_run.h) on the same
+// A projection may be a group-wise int4 weight instead (its float32 pointer null, its TpInt4Weight
+// set; int4_tile.h): each thread prescales the projection's input into its own buffer (B x in floats,
+// as the norms: cheaper than a barrier) and the rows are claimed a 16-column tile at a time (qkv: a
+// head's tiles, so head_dim % 16 == 0; gate/up: gate tile t with up tile t + intermediate / 16, so
+// intermediate % 16 == 0).
+//
+// Every piece is the function the per-call ops use (gemv.h, int4_tile.h, fused.h, attention_run.h) on the same
 // inputs, in the same order, with the same attention plan, so the result is bit-identical to the
 // layer-by-layer path with the compiled ops. Threads: the caller's count, in the OpenMP runtime
 // torch loaded (build.py).
@@ -30,6 +36,7 @@
 #include "attention_run.h"
 #include "fused.h"
 #include "gemv.h"
+#include "int4_tile.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -49,6 +56,7 @@ struct TpDecoderLayer {
   const float* down_bias;                            // [hidden] or null
   float* k_cache;                                    // [num_blocks, block_size, Hkv, head_dim]
   float* v_cache;                                    // strides as in TpDecoderArgs, for every layer
+  TpInt4Weight qkv_q4, o_q4, gate_up_q4, down_q4;    // used where the float32 weight above is null
 };
 
 struct TpDecoderArgs {
@@ -79,8 +87,37 @@ enum DecoderError { BAD_BATCH = 7, BAD_SLOT = 8 };
 struct Buffers {
   std::vector<float> res0, res1, qkv, attn, o, act, h, parts;
   std::vector<float> xn, res_private;  // per thread, [threads][batch * hidden]
+  std::vector<float> xs, sums;         // per thread, [threads][batch * max_in], [threads][batch * max_in / 8]: int4 inputs
+  int64_t max_in = 0;                  // the widest projection input (hidden, Hq * head_dim, intermediate)
   std::vector<Scratch> scratch;
 };
+
+// A thread's int4 input buffers, prescaled from x [B, in] (int4_tile.h's `prescale`).
+struct Int4Input {
+  float* xs;
+  float* sums;
+};
+
+inline Int4Input int4_input(Buffers& buf, int tid, int64_t batch, const float* x, int64_t in,
+                            const TpInt4Weight& w) {
+  Int4Input r{buf.xs.data() + tid * batch * buf.max_in, buf.sums.data() + tid * batch * (buf.max_in / 8)};
+  prescale(x, in, batch, in, w.group, r.xs, r.sums);
+  return r;
+}
+
+// y[b, o] = W x[b] (+ bias[o]) for an int4 W of `rows` outputs, 16-column tiles claimed one at a time; ends at a barrier.
+template <int B>
+void project_int4(const TpInt4Weight& w, const float* bias, const Int4Input& in, int64_t k, float* y, int64_t ldy,
+                  int64_t rows) {
+  const int64_t tiles = (rows + TILE - 1) / TILE;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t t = 0; t < tiles; ++t) {
+    int4_tile(w, k, rows, in.xs, in.sums, B, t, y + t * TILE, ldy);
+    if (bias != nullptr)
+      for (int b = 0; b < B; ++b)
+        for (int64_t o = t * TILE; o < std::min<int64_t>(rows, (t + 1) * TILE); ++o) y[b * ldy + o] += bias[o];
+  }
+}
 
 inline int thread_id() {
 #ifdef _OPENMP
@@ -112,17 +149,26 @@ void norm_rows(const Dec& d, const float* x, const float* residual, const float*
                      res_out + b * n, n, d.eps);
 }
 
+// `q4`: the int4 input when L.qkv_weight is null (then head_dim % TILE == 0: a head is whole tiles).
 template <int B>
-void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, float* qkv) {
+void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* qkv) {
   const int64_t dim = d.head_dim, hidden = d.hidden;
   const int hq = d.num_q_heads, hkv = d.num_kv_heads;
   const int64_t width = int64_t(hq + 2 * hkv) * dim;
 #pragma omp for schedule(dynamic, 1)
   for (int head = 0; head < hq + 2 * hkv; ++head) {
-    for (int64_t o = head * dim; o < (head + 1) * dim; ++o) {
-      float r[B];
-      row_dot<B>(L.qkv_weight + o * hidden, xn, hidden, hidden, r);
-      for (int b = 0; b < B; ++b) qkv[b * width + o] = L.qkv_bias != nullptr ? r[b] + L.qkv_bias[o] : r[b];
+    if (L.qkv_weight == nullptr) {
+      for (int64_t t = head * dim / TILE; t < (head + 1) * dim / TILE; ++t)
+        int4_tile(L.qkv_q4, hidden, width, q4.xs, q4.sums, B, t, qkv + t * TILE, width);
+      if (L.qkv_bias != nullptr)
+        for (int b = 0; b < B; ++b)
+          for (int64_t o = head * dim; o < (head + 1) * dim; ++o) qkv[b * width + o] += L.qkv_bias[o];
+    } else {
+      for (int64_t o = head * dim; o < (head + 1) * dim; ++o) {
+        float r[B];
+        row_dot<B>(L.qkv_weight + o * hidden, xn, hidden, hidden, r);
+        for (int b = 0; b < B; ++b) qkv[b * width + o] = L.qkv_bias != nullptr ? r[b] + L.qkv_bias[o] : r[b];
+      }
     }
     for (int b = 0; b < B; ++b) {
       float* row = qkv + b * width + head * dim;
@@ -139,17 +185,29 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, float* qk
   }
 }
 
-// gate/up rows [o0, o0 + BLOCK_ROWS) and act = silu(gate) * up on them: vector silu on whole
-// vectors of the row (i + W <= intermediate), scalar on the tail, as tp_silu_mul_f32 splits it.
+// gate/up rows [o0, o0 + BLOCK_ROWS) (int4: [o0, o0 + TILE), gate tile blk and up tile inter / TILE + blk,
+// so intermediate % TILE == 0) and act = silu(gate) * up on them: vector silu on whole vectors of the
+// row (i + W <= intermediate), scalar on the tail, as tp_silu_mul_f32 splits it.
 template <int B>
-void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, float* act) {
+void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* act) {
   const int64_t inter = d.intermediate, hidden = d.hidden;
-  const int64_t num_blocks = (inter + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const bool int4 = L.gate_up_weight == nullptr;
+  const int64_t rows = int4 ? TILE : BLOCK_ROWS, num_blocks = (inter + rows - 1) / rows;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
-    const int64_t o0 = blk * BLOCK_ROWS, o1 = std::min<int64_t>(o0 + BLOCK_ROWS, inter);
+    const int64_t o0 = blk * rows, o1 = std::min<int64_t>(o0 + rows, inter);
     float g[B][BLOCK_ROWS], u[B][BLOCK_ROWS];
-    for (int64_t o = o0; o < o1; ++o) {
+    if (int4) {
+      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, blk, &g[0][0], BLOCK_ROWS);
+      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, inter / TILE + blk, &u[0][0], BLOCK_ROWS);
+      if (L.gate_up_bias != nullptr)
+        for (int b = 0; b < B; ++b)
+          for (int64_t o = o0; o < o1; ++o) {
+            g[b][o - o0] += L.gate_up_bias[o];
+            u[b][o - o0] += L.gate_up_bias[inter + o];
+          }
+    }
+    for (int64_t o = o0; o < o1 && !int4; ++o) {
       float rg[B], ru[B];
       row_dot<B>(L.gate_up_weight + o * hidden, xn, hidden, hidden, rg);
       row_dot<B>(L.gate_up_weight + (inter + o) * hidden, xn, hidden, hidden, ru);
@@ -180,11 +238,12 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
     float* res[2] = {buf.res0.data(), buf.res1.data()};
     int cur = 0;
     const float* x = d.x;
+    const Int4Input none{nullptr, nullptr};  // a dense projection reads its input as it is
     for (int layer = 0; layer < d.num_layers; ++layer) {
       const TpDecoderLayer& L = d.layers[layer];
       norm_rows<B>(d, x, layer == 0 ? nullptr : res[cur], L.input_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      qkv_phase<B>(d, L, xn, buf.qkv.data());
+      qkv_phase<B>(d, L, xn, L.qkv_weight ? none : int4_input(buf, tid, B, xn, hidden, L.qkv_q4), buf.qkv.data());
       TpAttentionArgs a = att;
       a.k_cache = L.k_cache;
       a.v_cache = L.v_cache;
@@ -194,12 +253,21 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < p.merges.size(); ++i) run_merge<float>(a, p.merges[i], buf.parts.data(), sc);
       }
-      project<B>(L.o_weight, L.o_bias, buf.attn.data(), q_size, buf.o.data(), hidden, hidden, q_size);
+      if (L.o_weight != nullptr)
+        project<B>(L.o_weight, L.o_bias, buf.attn.data(), q_size, buf.o.data(), hidden, hidden, q_size);
+      else
+        project_int4<B>(L.o_q4, L.o_bias, int4_input(buf, tid, B, buf.attn.data(), q_size, L.o_q4), q_size,
+                        buf.o.data(), hidden, hidden);
       norm_rows<B>(d, buf.o.data(), res[cur], L.post_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      gate_up_phase<B>(d, L, xn, buf.act.data());
-      project<B>(L.down_weight, L.down_bias, buf.act.data(), d.intermediate, buf.h.data(), hidden, hidden,
-                 d.intermediate);
+      gate_up_phase<B>(d, L, xn, L.gate_up_weight ? none : int4_input(buf, tid, B, xn, hidden, L.gate_up_q4),
+                       buf.act.data());
+      if (L.down_weight != nullptr)
+        project<B>(L.down_weight, L.down_bias, buf.act.data(), d.intermediate, buf.h.data(), hidden, hidden,
+                   d.intermediate);
+      else
+        project_int4<B>(L.down_q4, L.down_bias, int4_input(buf, tid, B, buf.act.data(), d.intermediate, L.down_q4),
+                        d.intermediate, buf.h.data(), hidden, hidden);
       x = buf.h.data();
     }
     if (tid == 0) norm_rows<B>(d, x, d.num_layers == 0 ? nullptr : res[cur], d.final_norm, d.out, res_mine);
@@ -245,11 +313,32 @@ TpAttentionArgs attention_args(const Dec& d, Buffers& buf) {
   return a;
 }
 
+bool has_int4(const Dec& d) {
+  for (int32_t l = 0; l < d.num_layers; ++l) {
+    const TpDecoderLayer& L = d.layers[l];
+    if (!L.qkv_weight || !L.o_weight || !L.gate_up_weight || !L.down_weight) return true;
+  }
+  return false;
+}
+
+// Each projection is float32 or int4 (of the shapes int4_tile.h takes, whole tiles where a phase needs them).
+bool int4_layer_ok(const Dec& d, const TpDecoderLayer& L) {
+  const int64_t hidden = d.hidden, q_size = int64_t(d.num_q_heads) * d.head_dim;
+  const int64_t qkv_rows = int64_t(d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim;
+  return (L.qkv_weight || (int4_shape_ok(L.qkv_q4, hidden, qkv_rows) && d.head_dim % TILE == 0)) &&
+         (L.o_weight || int4_shape_ok(L.o_q4, q_size, hidden)) &&
+         (L.gate_up_weight ||
+          (int4_shape_ok(L.gate_up_q4, hidden, 2 * int64_t(d.intermediate)) && d.intermediate % TILE == 0)) &&
+         (L.down_weight || int4_shape_ok(L.down_q4, d.intermediate, hidden));
+}
+
 int validate_decoder(const Dec& d) {
   if (d.batch < 1 || d.batch > MAX_BATCH) return BAD_BATCH;
   if (d.num_layers < 0 || d.hidden < 1 || d.intermediate < 1 || d.head_dim < 2 || d.head_dim % 2 != 0 ||
       d.num_threads < 1 || d.block_size < 1 || d.num_blocks < 1)
     return BAD_SHAPE;
+  for (int32_t l = 0; l < d.num_layers; ++l)
+    if (!int4_layer_ok(d, d.layers[l])) return BAD_SHAPE;
   for (int32_t s = 0; s <= d.batch; ++s)
     if (d.cu_seqlens_q[s] != s) return BAD_QUERY_OFFSETS;  // one query (the decode) per sequence
   const int64_t num_slots = int64_t(d.num_blocks) * d.block_size;
@@ -266,7 +355,7 @@ int validate_decoder(const Dec& d) {
 extern "C" {
 
 // Bumped whenever TpDecoderArgs, TpDecoderLayer or the meaning of a field changes; the loader checks it.
-TP_EXPORT int tp_decoder_abi_version() { return 1; }
+TP_EXPORT int tp_decoder_abi_version() { return 2; }
 TP_EXPORT int tp_decoder_args_size() { return int(sizeof(TpDecoderArgs)); }
 TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
 TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_BATCH; }
@@ -297,6 +386,11 @@ TP_EXPORT int tp_decode_step_f32(const TpDecoderArgs* args) {
     buf.act.resize(B * int64_t(d.intermediate));
     buf.xn.resize(threads * B * hidden);
     buf.res_private.resize(threads * B * hidden);
+    buf.max_in = std::max<int64_t>({hidden, q_size, int64_t(d.intermediate)});
+    if (has_int4(d)) {
+      buf.xs.resize(threads * B * buf.max_in);
+      buf.sums.resize(threads * B * (buf.max_in / 8));
+    }
     const TpAttentionArgs att = attention_args(d, buf);  // points into qkv and attn: sized above
     if (const int err = validate(att)) return err;
     const Plan p = plan(att);

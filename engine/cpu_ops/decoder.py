@@ -3,10 +3,12 @@
 `CpuDecoder(path)` loads a built library with ctypes and checks its ABI (version and the sizes of
 the two argument blocks, mirrored here by `_Layer` and `_Args`). The model hands it its layers'
 tensors once (`prepare`, which checks every dtype, shape and layout and returns None when anything
-does not qualify: quantized or transposed weights, other dtypes, accelerators); a step then calls
+does not qualify: transposed weights, other dtypes, accelerators, quantized weights other than int4
+tiled for the CPU); a projection is a float32 matrix or an int4 weight whose `cpu_tiles()` gives
+`int4_gemv.Int4Tiles` (`engine/quant/runtime.py`'s `Int4Weight`); a step then calls
 `run` with the embeddings, the rotary rows, the KV caches and the attention views, and gets the
 final norm's output, bit-identical to running the layers one by one with the compiled ops
-(`gemv.h`, `fused.h` and `attention_run.h` are the same code in both).
+(`gemv.h`, `int4_tile.h`, `fused.h` and `attention_run.h` are the same code in both).
 
 Invariants the caller keeps: the prepared weights are not reallocated while the prepared object
 lives (load_weights copies into them in place); a step qualifies only when it is all decodes (one
@@ -21,12 +23,14 @@ import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from .int4_gemv import TILE, Int4Struct, Int4Tiles
 from .paged_attention import _check_views
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _F32 = torch.float32
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 LAYER_FIELDS = (
@@ -44,8 +48,14 @@ _ERRORS = {
 }
 
 
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # float32 or int4 (`_q4` fields)
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = tuple((name, _ptr) for name in LAYER_FIELDS)
+    _fields_ = (
+        *((name, _ptr) for name in LAYER_FIELDS),
+        *((name.replace("_weight", "_q4"), Int4Struct) for name in PROJECTIONS),
+    )
 
 
 _POINTERS = ("x", "out", "final_norm", "cos", "sin_signed", "slots", "block_tables", "seq_lens", "cu_seqlens_q")
@@ -84,7 +94,7 @@ class PreparedDecoder:
 
     shape: DecoderShape
     final_norm: torch.Tensor
-    layers: list[dict[str, torch.Tensor | None]]
+    layers: list[dict[str, torch.Tensor | Int4Tiles | None]]
     _table: ctypes.Array | None = None  # the layer array, rebuilt when the caches change
     _caches: tuple[int, ...] = ()
 
@@ -99,6 +109,18 @@ def _matrix(t: torch.Tensor | None, rows: int, cols: int) -> bool:
         and t.is_contiguous()
         and not t.requires_grad
     )
+
+
+def _projection(t: object, rows: int, cols: int, tile_rows: int | None = None) -> torch.Tensor | Int4Tiles | None:
+    """A float32 [rows, cols] matrix as it is, an int4 weight's CPU tiles, or None when it qualifies as neither.
+    `tile_rows`: int4 outputs must come in whole tiles of that many rows (a head; the gate/up halves)."""
+    if isinstance(t, torch.Tensor):
+        return t if _matrix(t, rows, cols) else None
+    cpu_tiles = getattr(t, "cpu_tiles", None)
+    tiles = cpu_tiles() if callable(cpu_tiles) else None
+    if not isinstance(tiles, Int4Tiles) or (tiles.out_features, tiles.in_features) != (rows, cols):
+        return None
+    return tiles if tile_rows is None or tile_rows % TILE == 0 else None
 
 
 def _vector(t: torch.Tensor | None, n: int, optional: bool = False) -> bool:
@@ -129,29 +151,35 @@ class CpuDecoder:
         self._lib = lib
 
     def prepare(
-        self, shape: DecoderShape, layers: Sequence[dict[str, torch.Tensor | None]], final_norm: torch.Tensor
+        self, shape: DecoderShape, layers: Sequence[dict[str, object]], final_norm: torch.Tensor
     ) -> PreparedDecoder | None:
         """Check every layer's tensors (keys: LAYER_FIELDS but the caches); None when any does not qualify."""
         s = shape
         q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         if s.num_q_heads % s.num_kv_heads or s.head_dim % 2 or not _vector(final_norm, s.hidden):
             return None
+        prepared: list[dict[str, torch.Tensor | Int4Tiles | None]] = []
         for layer in layers:
+            projections = {
+                "qkv_weight": _projection(layer["qkv_weight"], q + 2 * kv, s.hidden, s.head_dim),
+                "o_weight": _projection(layer["o_weight"], s.hidden, q),
+                "gate_up_weight": _projection(layer["gate_up_weight"], 2 * s.intermediate, s.hidden, s.intermediate),
+                "down_weight": _projection(layer["down_weight"], s.hidden, s.intermediate),
+            }
+            vectors: dict[str, Any] = {name: layer[name] for name in LAYER_FIELDS[:-2] if name not in PROJECTIONS}
             ok = (
-                _vector(layer["input_norm"], s.hidden)
-                and _vector(layer["post_norm"], s.hidden)
-                and _matrix(layer["qkv_weight"], q + 2 * kv, s.hidden)
-                and _vector(layer["qkv_bias"], q + 2 * kv, optional=True)
-                and _matrix(layer["o_weight"], s.hidden, q)
-                and _vector(layer["o_bias"], s.hidden, optional=True)
-                and _matrix(layer["gate_up_weight"], 2 * s.intermediate, s.hidden)
-                and _vector(layer["gate_up_bias"], 2 * s.intermediate, optional=True)
-                and _matrix(layer["down_weight"], s.hidden, s.intermediate)
-                and _vector(layer["down_bias"], s.hidden, optional=True)
+                all(p is not None for p in projections.values())
+                and _vector(vectors["input_norm"], s.hidden)
+                and _vector(vectors["post_norm"], s.hidden)
+                and _vector(vectors["qkv_bias"], q + 2 * kv, optional=True)
+                and _vector(vectors["o_bias"], s.hidden, optional=True)
+                and _vector(vectors["gate_up_bias"], 2 * s.intermediate, optional=True)
+                and _vector(vectors["down_bias"], s.hidden, optional=True)
             )
             if not ok:
                 return None
-        return PreparedDecoder(shape, final_norm, [dict(layer) for layer in layers])
+            prepared.append({**vectors, **projections})
+        return PreparedDecoder(shape, final_norm, prepared)
 
     def run(
         self,
@@ -227,7 +255,10 @@ class CpuDecoder:
             for entry, layer, (k, v) in zip(table, prepared.layers, kv_caches, strict=True):
                 for name in LAYER_FIELDS[:-2]:
                     t = layer[name]
-                    setattr(entry, name, None if t is None else t.data_ptr())
+                    if isinstance(t, Int4Tiles):
+                        setattr(entry, name.replace("_weight", "_q4"), t.struct())  # the float32 pointer stays null
+                    else:
+                        setattr(entry, name, None if t is None else t.data_ptr())
                 entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
             prepared._table, prepared._caches = table, caches
         return prepared._table

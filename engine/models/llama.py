@@ -135,7 +135,7 @@ class _DecoderState:
     """
 
     modules: list[nn.Module]
-    bindings: list[tuple[dict[str, Any], str, torch.Tensor, int]]  # (owner._parameters, name, tensor, data_ptr)
+    bindings: list[tuple[dict[str, Any], str, torch.Tensor, int]]  # (_parameters or _buffers, name, tensor, ptr)
     prepared: PreparedDecoder | None
 
     @classmethod
@@ -148,9 +148,10 @@ class _DecoderState:
             float(model.norm.eps), scale,
         )  # fmt: skip
         bindings = [
-            (module._parameters, name, t, t.data_ptr())
+            (owner, name, t, t.data_ptr())
             for module in [*model.layers.modules(), model.norm]
-            for name, t in module._parameters.items()
+            for owner in (module._parameters, module._buffers)  # buffers: a quantized weight's tensors
+            for name, t in owner.items()
             if t is not None
         ]
         modules = list(model.layers.modules())

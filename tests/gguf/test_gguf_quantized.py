@@ -3,7 +3,8 @@
 The kept int4 weights must stand for exactly the values the dense path dequantizes (same codes,
 scales and mins: no rounding anywhere), the model must shrink, and its logits must match the dense
 model's up to float summation order. Mixed files (parts of one fused projection in different types)
-fall back as documented: side by side when all parts can be kept, dense when one cannot.
+fall back as documented: side by side when all parts can be kept, dense when one cannot. On CPU the
+engine's one-call decode step reads the kept int4 weights and gives what the layers give, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import pytest
 import torch
 from gguf_files import hf_to_gguf
 
-from tidepool.engine import LLM, SamplingParams
+from tidepool.engine import LLM, SamplingParams, cpu_ops
+from tidepool.engine.cpu_ops import decoder as decoder_module
 from tidepool.engine.models.loader import load_model
 from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight, Int8Weight, weight_bytes
@@ -104,3 +106,42 @@ def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_d
         LLM(str(gguf_model("llama-gqa", "Q4_1")), quantization="gptq", show_progress=False)
     with pytest.raises(ValueError, match=r"but .* is a Hugging Face folder"):
         LLM(str(hf_model_dir("llama-gqa")), quantization="gguf", show_progress=False)
+
+
+@pytest.mark.parametrize(
+    ("variant", "step_runs"), [("llama-gqa", True), ("qwen2-tied", True), ("llama-headdim24-linearrope", False)]
+)
+def test_int4_decode_step_is_the_layers_bit_for_bit(
+    variant: str, step_runs: bool, gguf_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU the kept Q4 weights are tiled for the compiled int4 op, and the one-call decode step reads them
+    (cpu_ops/int4_tile.h in both): greedy tokens and logprobs are identical, bit for bit, with the step on and
+    off (the layers then call the int4 op one projection at a time). A head_dim of 24 is no whole number of
+    16-column tiles: the step refuses those weights and the layers run."""
+    for env in (cpu_ops.MODE_ENV, cpu_ops.GEMV_MODE_ENV, cpu_ops.FUSED_MODE_ENV, cpu_ops.INT4_MODE_ENV):
+        monkeypatch.setenv(env, "compiled")
+    ran = {"steps": 0}
+    run = decoder_module.CpuDecoder.run
+
+    def counted(self: cpu_ops.CpuDecoder, *args: object, **kwargs: object) -> torch.Tensor | None:
+        out = run(self, *args, **kwargs)  # type: ignore[arg-type]
+        ran["steps"] += out is not None
+        return out
+
+    monkeypatch.setattr(decoder_module.CpuDecoder, "run", counted)
+    file = gguf_model(variant, "Q4_1")
+    prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = []
+    for mode in ("compiled", "torch"):
+        monkeypatch.setenv(cpu_ops.DECODER_MODE_ENV, mode)
+        cpu_ops.reset()
+        llm = LLM(str(file), quantization="gguf", num_kv_blocks=64, max_model_len=256, show_progress=False)
+        qkv = llm.engine.model.layers[0].self_attn.qkv_weight
+        assert isinstance(qkv, Int4Weight) and qkv.tiled
+        out = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out])
+        if mode == "compiled":
+            assert (ran["steps"] > 0) == step_runs
+    cpu_ops.reset()
+    assert results[0] == results[1]
