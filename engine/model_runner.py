@@ -5,8 +5,8 @@ head_dim], zero-initialised so padded decode reads are finite), builds input ids
 slot mapping, block tables and masks once per step, runs the model, computes logits only
 for the sequences that sample this step, and hands those to the sampler. On CPU, when the compiled
 GEMV is unavailable (`layers.linear`), it first stores the model's wide projections [in, out]
-(`layers.weight_layout`), once, at construction; where the compiled int4 op is available it re-lays
-int4 weights in that op's tiles (`quant.runtime.tile_for_cpu`). On CPU the weights and the KV cache then live in
+(`layers.weight_layout`), once, at construction; quantized weights are laid out for the compiled CPU
+ops where those are available (`quant.runtime.prepare_for_cpu`). On CPU the weights and the KV cache then live in
 memory advised for transparent huge pages (`hugepages`): fewer TLB misses while every step streams them.
 
 On CUDA, host lists become device tensors through pinned memory with non-blocking copies, and
@@ -35,7 +35,7 @@ from .layers.attention_metadata import AttentionMetadata, PrefillChunk
 from .layers.linear import uses_compiled_gemv
 from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
-from .quant.runtime import tile_for_cpu
+from .quant.runtime import prepare_for_cpu
 from .request import Request
 from .sampler import Sampler
 from .sched_output import ModelRunnerOutput, SchedulerOutput
@@ -74,7 +74,7 @@ class ModelRunner:
         if device.type == "cpu" and isinstance(model, torch.nn.Module):
             if not uses_compiled_gemv():
                 apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
-            tile_for_cpu(model)  # int4 weights in the compiled op's tiles (a no-op without int4 weights or the op)
+            prepare_for_cpu(model)  # quantized weights laid out for the compiled ops (a no-op without them)
             hugepages.pack_weights(model)  # after the layout changes: it moves the tensors as they now are
         if graph_backend is None and _graphs_wanted(model, device):
             graph_backend = CudaGraphBackend(device)

@@ -19,8 +19,9 @@
 // (5 or 6 per layer); the residual alternates between two buffers so that thread 0 can write the
 // next one while the others still read the current one.
 //
-// A projection may be a group-wise int4 weight instead (its float32 pointer null, its TpInt4Weight
-// set; int4_tile.h): each thread prescales the projection's input into its own buffer (B x in floats,
+// A projection may be per-output-channel int8 instead (its float32 pointer null, its TpInt8Weight set:
+// gemv.h's row kernel on int8 rows, the sum times the row's scale, as gemv.cpp's tp_gemv_i8), or a
+// group-wise int4 weight (its TpInt4Weight set; int4_tile.h): each thread prescales the projection's input into its own buffer (B x in floats,
 // as the norms: cheaper than a barrier) and the rows are claimed a 16-column tile at a time (qkv: a
 // head's tiles, so head_dim % 16 == 0; gate/up: gate tile t with up tile t + intermediate / 16, so
 // intermediate % 16 == 0).
@@ -42,6 +43,12 @@
 #include <omp.h>
 #endif
 
+// Per-output-channel int8 weights: W[o, i] = w[o, i] * scales[o] (w: [rows, in] row-major). w == nullptr: none.
+struct TpInt8Weight {
+  const int8_t* w;
+  const float* scales;
+};
+
 // Mirrored by ctypes Structures in decoder.py, field for field.
 struct TpDecoderLayer {
   const float* input_norm;                           // [hidden]
@@ -56,7 +63,8 @@ struct TpDecoderLayer {
   const float* down_bias;                            // [hidden] or null
   float* k_cache;                                    // [num_blocks, block_size, Hkv, head_dim]
   float* v_cache;                                    // strides as in TpDecoderArgs, for every layer
-  TpInt4Weight qkv_q4, o_q4, gate_up_q4, down_q4;    // used where the float32 weight above is null
+  TpInt8Weight qkv_i8, o_i8, gate_up_i8, down_i8;    // per projection, exactly one of: the float32
+  TpInt4Weight qkv_q4, o_q4, gate_up_q4, down_q4;    // weight above, an int8 one, an int4 one
 };
 
 struct TpDecoderArgs {
@@ -127,14 +135,27 @@ inline int thread_id() {
 #endif
 }
 
-// y[b, o] = w[o] . x[b] (+ bias[o]) for every row, in BLOCK_ROWS-row claims; ends at a barrier.
+// Row o of a float32 or int8 projection times B inputs (int8: the sum times the row's scale, as tp_gemv_i8).
 template <int B>
-void project(const float* w, const float* bias, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t rows,
-             int64_t in) {
+inline void weight_row(const float* w, const TpInt8Weight& w8, int64_t o, const float* x, int64_t ldx, int64_t in,
+                       float* r) {
+  if (w != nullptr) {
+    row_dot<B>(w + o * in, x, ldx, in, r);
+    return;
+  }
+  row_dot<B>(w8.w + o * in, x, ldx, in, r);
+  for (int b = 0; b < B; ++b) r[b] *= w8.scales[o];
+}
+
+// y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims; ends
+// at a barrier.
+template <int B>
+void project(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx, float* y,
+             int64_t ldy, int64_t rows, int64_t in) {
 #pragma omp for schedule(dynamic, BLOCK_ROWS)
   for (int64_t o = 0; o < rows; ++o) {
     float r[B];
-    row_dot<B>(w + o * in, x, ldx, in, r);
+    weight_row<B>(w, w8, o, x, ldx, in, r);
     for (int b = 0; b < B; ++b) y[b * ldy + o] = bias != nullptr ? r[b] + bias[o] : r[b];
   }
 }
@@ -149,7 +170,7 @@ void norm_rows(const Dec& d, const float* x, const float* residual, const float*
                      res_out + b * n, n, d.eps);
 }
 
-// `q4`: the int4 input when L.qkv_weight is null (then head_dim % TILE == 0: a head is whole tiles).
+// `q4`: the int4 input when the projection is int4 (then head_dim % TILE == 0: a head is whole tiles).
 template <int B>
 void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* qkv) {
   const int64_t dim = d.head_dim, hidden = d.hidden;
@@ -157,7 +178,7 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
   const int64_t width = int64_t(hq + 2 * hkv) * dim;
 #pragma omp for schedule(dynamic, 1)
   for (int head = 0; head < hq + 2 * hkv; ++head) {
-    if (L.qkv_weight == nullptr) {
+    if (L.qkv_q4.q != nullptr) {
       for (int64_t t = head * dim / TILE; t < (head + 1) * dim / TILE; ++t)
         int4_tile(L.qkv_q4, hidden, width, q4.xs, q4.sums, B, t, qkv + t * TILE, width);
       if (L.qkv_bias != nullptr)
@@ -166,7 +187,7 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
     } else {
       for (int64_t o = head * dim; o < (head + 1) * dim; ++o) {
         float r[B];
-        row_dot<B>(L.qkv_weight + o * hidden, xn, hidden, hidden, r);
+        weight_row<B>(L.qkv_weight, L.qkv_i8, o, xn, hidden, hidden, r);
         for (int b = 0; b < B; ++b) qkv[b * width + o] = L.qkv_bias != nullptr ? r[b] + L.qkv_bias[o] : r[b];
       }
     }
@@ -191,7 +212,7 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
 template <int B>
 void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* act) {
   const int64_t inter = d.intermediate, hidden = d.hidden;
-  const bool int4 = L.gate_up_weight == nullptr;
+  const bool int4 = L.gate_up_q4.q != nullptr;
   const int64_t rows = int4 ? TILE : BLOCK_ROWS, num_blocks = (inter + rows - 1) / rows;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
@@ -209,8 +230,8 @@ void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const
     }
     for (int64_t o = o0; o < o1 && !int4; ++o) {
       float rg[B], ru[B];
-      row_dot<B>(L.gate_up_weight + o * hidden, xn, hidden, hidden, rg);
-      row_dot<B>(L.gate_up_weight + (inter + o) * hidden, xn, hidden, hidden, ru);
+      weight_row<B>(L.gate_up_weight, L.gate_up_i8, o, xn, hidden, hidden, rg);
+      weight_row<B>(L.gate_up_weight, L.gate_up_i8, inter + o, xn, hidden, hidden, ru);
       for (int b = 0; b < B; ++b) {
         g[b][o - o0] = L.gate_up_bias != nullptr ? rg[b] + L.gate_up_bias[o] : rg[b];
         u[b][o - o0] = L.gate_up_bias != nullptr ? ru[b] + L.gate_up_bias[inter + o] : ru[b];
@@ -243,7 +264,7 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
       const TpDecoderLayer& L = d.layers[layer];
       norm_rows<B>(d, x, layer == 0 ? nullptr : res[cur], L.input_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      qkv_phase<B>(d, L, xn, L.qkv_weight ? none : int4_input(buf, tid, B, xn, hidden, L.qkv_q4), buf.qkv.data());
+      qkv_phase<B>(d, L, xn, L.qkv_q4.q ? int4_input(buf, tid, B, xn, hidden, L.qkv_q4) : none, buf.qkv.data());
       TpAttentionArgs a = att;
       a.k_cache = L.k_cache;
       a.v_cache = L.v_cache;
@@ -253,18 +274,18 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < p.merges.size(); ++i) run_merge<float>(a, p.merges[i], buf.parts.data(), sc);
       }
-      if (L.o_weight != nullptr)
-        project<B>(L.o_weight, L.o_bias, buf.attn.data(), q_size, buf.o.data(), hidden, hidden, q_size);
+      if (L.o_q4.q == nullptr)
+        project<B>(L.o_weight, L.o_i8, L.o_bias, buf.attn.data(), q_size, buf.o.data(), hidden, hidden, q_size);
       else
         project_int4<B>(L.o_q4, L.o_bias, int4_input(buf, tid, B, buf.attn.data(), q_size, L.o_q4), q_size,
                         buf.o.data(), hidden, hidden);
       norm_rows<B>(d, buf.o.data(), res[cur], L.post_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      gate_up_phase<B>(d, L, xn, L.gate_up_weight ? none : int4_input(buf, tid, B, xn, hidden, L.gate_up_q4),
+      gate_up_phase<B>(d, L, xn, L.gate_up_q4.q ? int4_input(buf, tid, B, xn, hidden, L.gate_up_q4) : none,
                        buf.act.data());
-      if (L.down_weight != nullptr)
-        project<B>(L.down_weight, L.down_bias, buf.act.data(), d.intermediate, buf.h.data(), hidden, hidden,
-                   d.intermediate);
+      if (L.down_q4.q == nullptr)
+        project<B>(L.down_weight, L.down_i8, L.down_bias, buf.act.data(), d.intermediate, buf.h.data(), hidden,
+                   hidden, d.intermediate);
       else
         project_int4<B>(L.down_q4, L.down_bias, int4_input(buf, tid, B, buf.act.data(), d.intermediate, L.down_q4),
                         d.intermediate, buf.h.data(), hidden, hidden);
@@ -316,20 +337,28 @@ TpAttentionArgs attention_args(const Dec& d, Buffers& buf) {
 bool has_int4(const Dec& d) {
   for (int32_t l = 0; l < d.num_layers; ++l) {
     const TpDecoderLayer& L = d.layers[l];
-    if (!L.qkv_weight || !L.o_weight || !L.gate_up_weight || !L.down_weight) return true;
+    if (L.qkv_q4.q || L.o_q4.q || L.gate_up_q4.q || L.down_q4.q) return true;
   }
   return false;
 }
 
-// Each projection is float32 or int4 (of the shapes int4_tile.h takes, whole tiles where a phase needs them).
-bool int4_layer_ok(const Dec& d, const TpDecoderLayer& L) {
-  const int64_t hidden = d.hidden, q_size = int64_t(d.num_q_heads) * d.head_dim;
+// Exactly one of the three forms; an int4 one of the shapes int4_tile.h takes, in whole tiles where
+// its phase claims them (`whole_tiles`).
+bool projection_ok(const float* w, const TpInt8Weight& w8, const TpInt4Weight& w4, int64_t in, int64_t rows,
+                   bool whole_tiles) {
+  const int forms = (w != nullptr) + (w8.w != nullptr) + (w4.q != nullptr);
+  if (forms != 1) return false;
+  if (w8.w != nullptr) return w8.scales != nullptr;
+  return w4.q == nullptr || (int4_shape_ok(w4, in, rows) && whole_tiles);
+}
+
+bool layer_ok(const Dec& d, const TpDecoderLayer& L) {
+  const int64_t hidden = d.hidden, inter = d.intermediate, q_size = int64_t(d.num_q_heads) * d.head_dim;
   const int64_t qkv_rows = int64_t(d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim;
-  return (L.qkv_weight || (int4_shape_ok(L.qkv_q4, hidden, qkv_rows) && d.head_dim % TILE == 0)) &&
-         (L.o_weight || int4_shape_ok(L.o_q4, q_size, hidden)) &&
-         (L.gate_up_weight ||
-          (int4_shape_ok(L.gate_up_q4, hidden, 2 * int64_t(d.intermediate)) && d.intermediate % TILE == 0)) &&
-         (L.down_weight || int4_shape_ok(L.down_q4, d.intermediate, hidden));
+  return projection_ok(L.qkv_weight, L.qkv_i8, L.qkv_q4, hidden, qkv_rows, d.head_dim % TILE == 0) &&
+         projection_ok(L.o_weight, L.o_i8, L.o_q4, q_size, hidden, true) &&
+         projection_ok(L.gate_up_weight, L.gate_up_i8, L.gate_up_q4, hidden, 2 * inter, inter % TILE == 0) &&
+         projection_ok(L.down_weight, L.down_i8, L.down_q4, inter, hidden, true);
 }
 
 int validate_decoder(const Dec& d) {
@@ -338,7 +367,7 @@ int validate_decoder(const Dec& d) {
       d.num_threads < 1 || d.block_size < 1 || d.num_blocks < 1)
     return BAD_SHAPE;
   for (int32_t l = 0; l < d.num_layers; ++l)
-    if (!int4_layer_ok(d, d.layers[l])) return BAD_SHAPE;
+    if (!layer_ok(d, d.layers[l])) return BAD_SHAPE;
   for (int32_t s = 0; s <= d.batch; ++s)
     if (d.cu_seqlens_q[s] != s) return BAD_QUERY_OFFSETS;  // one query (the decode) per sequence
   const int64_t num_slots = int64_t(d.num_blocks) * d.block_size;
@@ -355,7 +384,7 @@ int validate_decoder(const Dec& d) {
 extern "C" {
 
 // Bumped whenever TpDecoderArgs, TpDecoderLayer or the meaning of a field changes; the loader checks it.
-TP_EXPORT int tp_decoder_abi_version() { return 2; }
+TP_EXPORT int tp_decoder_abi_version() { return 3; }
 TP_EXPORT int tp_decoder_args_size() { return int(sizeof(TpDecoderArgs)); }
 TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
 TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_BATCH; }

@@ -3,9 +3,9 @@
 `CpuDecoder(path)` loads a built library with ctypes and checks its ABI (version and the sizes of
 the two argument blocks, mirrored here by `_Layer` and `_Args`). The model hands it its layers'
 tensors once (`prepare`, which checks every dtype, shape and layout and returns None when anything
-does not qualify: transposed weights, other dtypes, accelerators, quantized weights other than int4
-tiled for the CPU); a projection is a float32 matrix or an int4 weight whose `cpu_tiles()` gives
-`int4_gemv.Int4Tiles` (`engine/quant/runtime.py`'s `Int4Weight`); a step then calls
+does not qualify: transposed weights, other dtypes, accelerators, quantized weights not laid out for
+the CPU); a projection is a float32 matrix, an int8 weight whose `cpu_int8()` gives `(w_int8, scales)`
+or an int4 one whose `cpu_tiles()` gives `int4_gemv.Int4Tiles` (`engine/quant/runtime.py`); a step then calls
 `run` with the embeddings, the rotary rows, the KV caches and the attention views, and gets the
 final norm's output, bit-identical to running the layers one by one with the compiled ops
 (`gemv.h`, `int4_tile.h`, `fused.h` and `attention_run.h` are the same code in both).
@@ -30,7 +30,7 @@ import torch
 from .int4_gemv import TILE, Int4Struct, Int4Tiles
 from .paged_attention import _check_views
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 _F32 = torch.float32
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 LAYER_FIELDS = (
@@ -48,14 +48,27 @@ _ERRORS = {
 }
 
 
-PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # float32 or int4 (`_q4` fields)
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # float32, int8 (`_i8`) or int4 (`_q4`)
+
+
+class _Int8(ctypes.Structure):
+    _fields_ = (("w", _ptr), ("scales", _ptr))
 
 
 class _Layer(ctypes.Structure):
     _fields_ = (
         *((name, _ptr) for name in LAYER_FIELDS),
+        *((name.replace("_weight", "_i8"), _Int8) for name in PROJECTIONS),
         *((name.replace("_weight", "_q4"), Int4Struct) for name in PROJECTIONS),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Rows:
+    """A per-output-channel int8 projection as the step reads it: int8 ``[rows, in]`` and float32 scales ``[rows]``."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
 
 
 _POINTERS = ("x", "out", "final_norm", "cos", "sin_signed", "slots", "block_tables", "seq_lens", "cu_seqlens_q")
@@ -94,7 +107,7 @@ class PreparedDecoder:
 
     shape: DecoderShape
     final_norm: torch.Tensor
-    layers: list[dict[str, torch.Tensor | Int4Tiles | None]]
+    layers: list[dict[str, torch.Tensor | Int8Rows | Int4Tiles | None]]
     _table: ctypes.Array | None = None  # the layer array, rebuilt when the caches change
     _caches: tuple[int, ...] = ()
 
@@ -111,11 +124,23 @@ def _matrix(t: torch.Tensor | None, rows: int, cols: int) -> bool:
     )
 
 
-def _projection(t: object, rows: int, cols: int, tile_rows: int | None = None) -> torch.Tensor | Int4Tiles | None:
-    """A float32 [rows, cols] matrix as it is, an int4 weight's CPU tiles, or None when it qualifies as neither.
-    `tile_rows`: int4 outputs must come in whole tiles of that many rows (a head; the gate/up halves)."""
+Projection = torch.Tensor | Int8Rows | Int4Tiles
+
+
+def _projection(t: object, rows: int, cols: int, tile_rows: int | None = None) -> Projection | None:
+    """A float32 [rows, cols] matrix as it is, an int8 weight's rows, an int4 weight's CPU tiles, or None when it
+    qualifies as none of them. `tile_rows`: int4 outputs must come in whole tiles of that many rows (a head; the
+    gate/up halves)."""
     if isinstance(t, torch.Tensor):
         return t if _matrix(t, rows, cols) else None
+    cpu_int8 = getattr(t, "cpu_int8", None)
+    if callable(cpu_int8):
+        found = cpu_int8()
+        if found is None:
+            return None
+        w, scales = found
+        ok = w.dtype == torch.int8 and tuple(w.shape) == (rows, cols) and w.is_contiguous() and _vector(scales, rows)
+        return Int8Rows(w, scales) if ok else None
     cpu_tiles = getattr(t, "cpu_tiles", None)
     tiles = cpu_tiles() if callable(cpu_tiles) else None
     if not isinstance(tiles, Int4Tiles) or (tiles.out_features, tiles.in_features) != (rows, cols):
@@ -158,7 +183,7 @@ class CpuDecoder:
         q, kv = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim
         if s.num_q_heads % s.num_kv_heads or s.head_dim % 2 or not _vector(final_norm, s.hidden):
             return None
-        prepared: list[dict[str, torch.Tensor | Int4Tiles | None]] = []
+        prepared: list[dict[str, Projection | None]] = []
         for layer in layers:
             projections = {
                 "qkv_weight": _projection(layer["qkv_weight"], q + 2 * kv, s.hidden, s.head_dim),
@@ -255,8 +280,10 @@ class CpuDecoder:
             for entry, layer, (k, v) in zip(table, prepared.layers, kv_caches, strict=True):
                 for name in LAYER_FIELDS[:-2]:
                     t = layer[name]
-                    if isinstance(t, Int4Tiles):
-                        setattr(entry, name.replace("_weight", "_q4"), t.struct())  # the float32 pointer stays null
+                    if isinstance(t, Int4Tiles):  # the float32 pointer stays null
+                        setattr(entry, name.replace("_weight", "_q4"), t.struct())
+                    elif isinstance(t, Int8Rows):
+                        setattr(entry, name.replace("_weight", "_i8"), _Int8(t.weight.data_ptr(), t.scales.data_ptr()))
                     else:
                         setattr(entry, name, None if t is None else t.data_ptr())
                 entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()

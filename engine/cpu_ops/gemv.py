@@ -1,10 +1,11 @@
-"""Python binding of the compiled small-batch float32 GEMV (`gemv.cpp`): decode's projections on CPU.
+"""Python binding of the compiled small-batch GEMV (`gemv.cpp`): decode's projections on CPU.
 
 `CpuGemv(path)` loads a built library with ctypes. `gemv(x, weight)` computes `x @ weight.T` for a
 float32 `x` of 1..`max_batch` rows (`MAX_ROWS`) and a contiguous float32 `[out, in]` weight, with
 torch's current intra-op thread count and the GIL released; `accepts(x, weight)` says whether a call
 qualifies (the caller falls back to `F.linear` otherwise: long prefill chunks, other dtypes,
-quantized or sliced weights).
+quantized or sliced weights). `int8(x, w_int8, scales)` is the same for per-output-channel int8
+weights with float32 scales (`engine/quant/runtime.py`'s `Int8Weight` on CPU), or None.
 
 Why: at 2-8 rows torch's CPU GEMM reads the weights at a fraction of the bandwidth it reaches at one
 row (measured in bench/gemv.py), so a decode batch of a few requests cost several times one request
@@ -40,14 +41,30 @@ class CpuGemv:
         lib.tp_gemv_has_openmp.restype = ctypes.c_int
         lib.tp_gemv_f32.restype = ctypes.c_int
         lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
+        lib.tp_gemv_i8.restype = ctypes.c_int
+        lib.tp_gemv_i8.argtypes = (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
         self._fn = lib.tp_gemv_f32
+        self._fn_i8 = lib.tp_gemv_i8
         self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_batch()))
         self.has_openmp = bool(lib.tp_gemv_has_openmp())
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        plain = type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized weight (it answers F.linear)
+        return plain and self._takes(x, weight, torch.float32)
+
+    def accepts_int8(self, x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether `int8` takes the call: int8 `[out, in]` weights and float32 per-row scales `[out]`."""
         return (
-            type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized weight (it answers F.linear)
-            and weight.dtype == torch.float32
+            self._takes(x, w_int8, torch.int8)
+            and scales.dtype == torch.float32
+            and scales.device.type == "cpu"
+            and tuple(scales.shape) == (w_int8.shape[0],)
+            and scales.is_contiguous()
+        )
+
+    def _takes(self, x: torch.Tensor, weight: torch.Tensor, weight_dtype: torch.dtype) -> bool:
+        return (
+            weight.dtype == weight_dtype
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and weight.device.type == "cpu"
@@ -69,6 +86,20 @@ class CpuGemv:
                 f"weight; got x {tuple(x.shape)} {x.dtype} strides {x.stride()}, weight {tuple(weight.shape)} "
                 f"{weight.dtype} contiguous={weight.is_contiguous()}"
             )
+        return y
+
+    def int8(self, x: torch.Tensor, w_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+        """`(x @ w_int8.T) * scales` (per-output-channel int8), or None (nothing done) where it does not qualify."""
+        if not self.accepts_int8(x, w_int8, scales):
+            return None
+        rows, cols = w_int8.shape
+        y = torch.empty(x.shape[0], rows, dtype=torch.float32)
+        code = self._fn_i8(
+            w_int8.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], rows, cols,
+            x.stride(0) if x.shape[0] > 1 else cols, rows, torch.get_num_threads(),
+        )  # fmt: skip
+        if code != 0:
+            raise RuntimeError(f"tp_gemv_i8 refused its arguments (code {code})")
         return y
 
     def try_call(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:

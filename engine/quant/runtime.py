@@ -5,8 +5,9 @@ Role: the "swap" half of quantization. The Llama code computes every projection 
 with a small module that holds the quantized tensors as buffers and implements
 ``__torch_function__`` for ``F.linear`` only, routing it to ``tidepool.kernels.dispatch``
 (`int8_linear` / `int4_linear`: Triton on CUDA, torch elsewhere); on CPU an int4 weight goes to the
-compiled op (`engine/cpu_ops/int4_gemv.py`) where it is available: `tile_for_cpu` (the model runner
-calls it once, at load) re-lays its buffers in that op's tiles. The model file is untouched.
+compiled op (`engine/cpu_ops/int4_gemv.py`) where it is available: `prepare_for_cpu` (the model runner
+calls it once, at load) re-lays its buffers in that op's tiles; an int8 weight goes to the compiled
+GEMV (`engine/cpu_ops/gemv.py`, float32 scales) where that takes the call. The model file is untouched.
 
 Invariants:
 - A quantized weight answers ``F.linear`` and nothing else (any other torch op raises TypeError
@@ -46,7 +47,11 @@ class QuantizedWeight(nn.Module):
         return torch.Size((self.out_features, self.in_features))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not implement linear")  # every subclass does
+
+    def prepare_for_cpu(self) -> bool:
+        """Lay the buffers out for the compiled CPU ops where they are available; whether it is ready for them."""
+        return False
 
     @classmethod
     def __torch_function__(
@@ -75,8 +80,27 @@ class Int8Weight(QuantizedWeight):
         self.register_buffer("w_int8", w_int8)
         self.register_buffer("scales", scales)
 
+    def prepare_for_cpu(self) -> bool:
+        """Float32 scales (a file's may be float16), which the compiled CPU GEMV and the one-call decode step read,
+        when that GEMV is available here; returns whether the weight is ready for them."""
+        if cpu_ops.gemv_op() is None or self.w_int8.device.type != "cpu" or not self.w_int8.is_contiguous():
+            return False
+        if self.scales.dtype != torch.float32 or not self.scales.is_contiguous():
+            self.scales = self.scales.to(torch.float32).contiguous()  # [N]: exact widening, tiny
+        return True
+
+    def cpu_int8(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(w_int8, scales)`` as the one-call decode step reads them, or None where it cannot."""
+        ready = self.w_int8.device.type == "cpu" and self.w_int8.is_contiguous() and self.scales.dtype == torch.float32
+        return (self.w_int8, self.scales) if ready and self.scales.is_contiguous() else None
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int8_linear(x, self.w_int8, self.scales, bias)
+        op = cpu_ops.gemv_op() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+        y = None if op is None else op.int8(x.reshape(-1, self.in_features), self.w_int8, self.scales)
+        if y is None:
+            return int8_linear(x, self.w_int8, self.scales, bias)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if bias is None else y + bias
 
 
 class Int4Weight(QuantizedWeight):
@@ -93,9 +117,9 @@ class Int4Weight(QuantizedWeight):
         self.register_buffer("zeros", parts.zeros)
         self.register_buffer("mins", parts.mins)
         self.register_buffer("perm", parts.perm)
-        self.tiled = False  # True once `tile_for_cpu` re-laid the buffers for the compiled CPU op
+        self.tiled = False  # True once `prepare_for_cpu` re-laid the buffers for the compiled CPU op
 
-    def tile_for_cpu(self) -> bool:
+    def prepare_for_cpu(self) -> bool:
         """Re-lay the buffers in the compiled CPU op's tiles (`cpu_ops.int4_gemv.tile_weight`), in place of the
         [K/8, N] layout, when that op is available here and reads these scales; returns whether it did."""
         op = cpu_ops.int4_op()
@@ -180,9 +204,10 @@ def fuse_int8(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> Int8Weight:
     return Int8Weight(torch.cat([w for w, _ in parts], dim=0), torch.cat([s for _, s in parts], dim=0))
 
 
-def tile_for_cpu(model: nn.Module) -> int:
-    """Tile every int4 weight of a CPU model for the compiled op (`Int4Weight.tile_for_cpu`); returns how many."""
-    return sum(module.tile_for_cpu() for module in model.modules() if isinstance(module, Int4Weight))
+def prepare_for_cpu(model: nn.Module) -> int:
+    """Lay out every quantized weight of a CPU model for the compiled ops (int4: tiles; int8: float32 scales);
+    returns how many are ready for them (a ConcatWeight's parts count one by one)."""
+    return sum(module.prepare_for_cpu() for module in model.modules() if isinstance(module, QuantizedWeight))
 
 
 def swap_weight(model: nn.Module, param_name: str, weight: QuantizedWeight) -> None:

@@ -1,4 +1,5 @@
-"""The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them.
+"""The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them; its int8 form
+against the dequantized product, and `Int8Weight`'s choice between it and torch's int8 path.
 
 Random shapes cover every batch of the one-pass kernel (1..8), grouped batches above it (full groups of
 8 and a remainder) up to the largest the op takes, inner sizes that are and are not multiples
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from tidepool.engine import cpu_ops
 from tidepool.engine.cpu_ops.gemv import MAX_ROWS
 from tidepool.engine.layers import linear as linear_mod
+from tidepool.engine.quant.runtime import Int8Weight
+from tidepool.kernels.dispatch import int8_linear
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -127,3 +130,31 @@ def test_torch_path_takes_the_transposed_product(rows: int, monkeypatch: pytest.
     assert calls == ([(960, 576)] if rows <= linear_mod.TRANSPOSED_MAX_ROWS else [])
     assert y.shape == (rows, 960) and y.is_contiguous()
     close(y, F.linear(x, w, b), 576)  # MKL sums in another order at some sizes (9 rows here)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 31, MAX_ROWS])
+@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536)])
+def test_int8_matches_the_dequantized_product(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
+    gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
+    w = torch.randint(-127, 128, (rows, inner), generator=gen).to(torch.int8)
+    scales = torch.rand(rows, generator=gen) * 0.02 + 0.001
+    x = torch.randn(batch, inner, generator=gen)
+    got = op.int8(x, w, scales)
+    assert got is not None
+    close(got, F.linear(x, w.float()) * scales, inner)
+
+
+def test_int8_weight_uses_the_op_where_it_takes_the_call(op: cpu_ops.CpuGemv) -> None:
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randint(-127, 128, (40, 64), generator=gen).to(torch.int8)
+    weight = Int8Weight(w, (torch.rand(40, generator=gen) * 0.02).half())  # a GGUF Q8_0's scales are float16
+    bias = torch.randn(40, generator=gen)
+    assert weight.cpu_int8() is None and weight.prepare_for_cpu() and weight.scales.dtype == torch.float32
+    assert weight.cpu_int8() is not None
+    for x in (torch.randn(3, 64, generator=gen), torch.randn(2, 4, 64, generator=gen)):
+        want = int8_linear(x, w, weight.scales, bias)  # the torch path
+        assert op.accepts_int8(x.reshape(-1, 64), w, weight.scales)
+        close(F.linear(x, weight, bias), want, 64)  # type: ignore[arg-type]
+    for x in (torch.randn(op.max_batch + 1, 64), torch.randn(2, 64, dtype=torch.bfloat16)):  # torch's path
+        assert not op.accepts_int8(x, w, weight.scales)
+        torch.testing.assert_close(F.linear(x, weight), int8_linear(x, w, weight.scales))  # type: ignore[arg-type]

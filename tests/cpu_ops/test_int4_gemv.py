@@ -4,7 +4,7 @@ Op level: random weights in Tidepool's int4 layout, both offset forms (zero poin
 three scale dtypes, group sizes 8-128, output widths that are and are not whole tiles of 16, batches
 of 1 (decode) to a prefill-sized chunk, strided input rows; values agree with `x @ dequantize_int4(...)`
 to float32 summation-order tolerance, and `tile_weight` refuses malformed layouts. Module level: an
-`Int4Weight` tiled for the CPU (`tile_for_cpu`) gives what the untiled torch path gives, act-order
+`Int4Weight` tiled for the CPU (`prepare_for_cpu`) gives what the untiled torch path gives, act-order
 included, and the torch mode leaves weights untiled on the torch path.
 """
 
@@ -16,7 +16,7 @@ import torch
 from tidepool.engine import cpu_ops
 from tidepool.engine.cpu_ops.int4_gemv import TILE, tile_weight
 from tidepool.engine.quant.formats import Int4Parts
-from tidepool.engine.quant.runtime import Int4Weight, tile_for_cpu
+from tidepool.engine.quant.runtime import Int4Weight, prepare_for_cpu
 from tidepool.kernels.int4_packing import dequantize_int4, pack_int4
 
 
@@ -101,8 +101,8 @@ def test_a_tiled_weight_gives_what_the_torch_path_gives(op: cpu_ops.CpuInt4Gemv,
     weight: Int4Weight = module.w  # type: ignore[assignment]
     x, bias = torch.randn(2, 3, 128), torch.randn(50)
     want = weight.linear(x, bias)  # untiled: kernels.dispatch.int4_linear, the torch path
-    assert tile_for_cpu(module) == 1 and weight.tiled and weight.qweight.shape == (4, 16, TILE)
-    assert tile_for_cpu(module) == 1  # idempotent
+    assert prepare_for_cpu(module) == 1 and weight.tiled and weight.qweight.shape == (4, 16, TILE)
+    assert prepare_for_cpu(module) == 1  # idempotent
     close(torch.nn.functional.linear(x, weight, bias), want, 128)  # type: ignore[arg-type]
     assert (weight.cpu_tiles() is None) == perm  # act-order inputs need the permutation first: not for the step
 
@@ -112,7 +112,7 @@ def test_torch_mode_keeps_the_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu_ops.reset()
     try:
         weight = _int4_weight(20, 64, 32, False, seed=6)
-        assert cpu_ops.int4_op() is None and not weight.tile_for_cpu() and weight.qweight.shape == (8, 20)
+        assert cpu_ops.int4_op() is None and not weight.prepare_for_cpu() and weight.qweight.shape == (8, 20)
         assert weight.cpu_tiles() is None
     finally:
         cpu_ops.reset()

@@ -4,7 +4,7 @@ The kept int4 weights must stand for exactly the values the dense path dequantiz
 scales and mins: no rounding anywhere), the model must shrink, and its logits must match the dense
 model's up to float summation order. Mixed files (parts of one fused projection in different types)
 fall back as documented: side by side when all parts can be kept, dense when one cannot. On CPU the
-engine's one-call decode step reads the kept int4 weights and gives what the layers give, bit for bit.
+engine's one-call decode step reads the kept int4 and int8 weights and gives what the layers give, bit for bit.
 """
 
 from __future__ import annotations
@@ -109,15 +109,23 @@ def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_d
 
 
 @pytest.mark.parametrize(
-    ("variant", "step_runs"), [("llama-gqa", True), ("qwen2-tied", True), ("llama-headdim24-linearrope", False)]
+    ("variant", "type_name", "step_runs"),
+    [
+        ("llama-gqa", "Q4_1", True),
+        ("qwen2-tied", "Q4_1", True),
+        ("llama-headdim24-linearrope", "Q4_1", False),
+        ("llama-gqa", "Q8_0", True),
+        ("llama-headdim24-linearrope", "Q8_0", True),
+    ],
 )
-def test_int4_decode_step_is_the_layers_bit_for_bit(
-    variant: str, step_runs: bool, gguf_model, monkeypatch: pytest.MonkeyPatch
+def test_quantized_decode_step_is_the_layers_bit_for_bit(
+    variant: str, type_name: str, step_runs: bool, gguf_model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On CPU the kept Q4 weights are tiled for the compiled int4 op, and the one-call decode step reads them
-    (cpu_ops/int4_tile.h in both): greedy tokens and logprobs are identical, bit for bit, with the step on and
-    off (the layers then call the int4 op one projection at a time). A head_dim of 24 is no whole number of
-    16-column tiles: the step refuses those weights and the layers run."""
+    """On CPU the kept Q4 weights are tiled for the compiled int4 op and Q8_0's int8 weights get float32 scales for
+    the compiled GEMV, and the one-call decode step reads both (int4_tile.h, gemv.h in both): greedy tokens and
+    logprobs are identical, bit for bit, with the step on and off (the layers then call the ops one projection at
+    a time). A head_dim of 24 is no whole number of 16-column int4 tiles: the step refuses those weights and the
+    layers run; int8 rows have no such constraint."""
     for env in (cpu_ops.MODE_ENV, cpu_ops.GEMV_MODE_ENV, cpu_ops.FUSED_MODE_ENV, cpu_ops.INT4_MODE_ENV):
         monkeypatch.setenv(env, "compiled")
     ran = {"steps": 0}
@@ -129,7 +137,7 @@ def test_int4_decode_step_is_the_layers_bit_for_bit(
         return out
 
     monkeypatch.setattr(decoder_module.CpuDecoder, "run", counted)
-    file = gguf_model(variant, "Q4_1")
+    file = gguf_model(variant, type_name)
     prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     results = []
@@ -138,7 +146,10 @@ def test_int4_decode_step_is_the_layers_bit_for_bit(
         cpu_ops.reset()
         llm = LLM(str(file), quantization="gguf", num_kv_blocks=64, max_model_len=256, show_progress=False)
         qkv = llm.engine.model.layers[0].self_attn.qkv_weight
-        assert isinstance(qkv, Int4Weight) and qkv.tiled
+        if type_name == "Q8_0":
+            assert isinstance(qkv, Int8Weight) and qkv.scales.dtype == torch.float32 and qkv.cpu_int8() is not None
+        else:
+            assert isinstance(qkv, Int4Weight) and qkv.tiled
         out = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out])
         if mode == "compiled":
