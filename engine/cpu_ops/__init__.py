@@ -1,14 +1,15 @@
 """Compiled CPU ops for the engine's hot path, built on first use and cached per machine.
 
 Today: paged attention that reads the KV cache in place (`paged_attention.py` binds
-`paged_attention.cpp` and the headers beside it), and the small-batch float32 GEMV of decode's
-projections (`gemv.py` binds `gemv.cpp`; `engine/layers/linear.py` calls it); the fused elementwise
+`paged_attention.cpp` and the headers beside it); the small-batch GEMV of decode's projections
+(`gemv.py` binds `gemv.cpp`, float32 and int8 weights; `engine/layers/linear.py` and
+`engine/quant/runtime.py` call it); the group-wise int4 matmul of quantized projections
+(`int4_gemv.py` binds `int4_gemv.cpp`; `engine/quant/runtime.py` calls it); the fused elementwise
 work of a layer (`fused.py` binds `fused.cpp`: RMSNorm with the residual add, SwiGLU, rotary, the KV
 store; `engine/layers/` calls them); and a whole float32 decode step of the decoder layers in one
-call (`decoder.py` binds `decoder.cpp`, made of the same pieces; `engine/models/llama.py` calls it
-for steps of 1..8 decodes, where per-call overhead was a quarter to a third of the step); and the
-group-wise int4 matmul of quantized projections (`int4_gemv.py` binds `int4_gemv.cpp`;
-`engine/quant/runtime.py` calls it).
+call, over float32, int8 or int4 projection weights (`decoder.py` binds `decoder.cpp`, made of the
+same pieces; `engine/models/llama.py` calls it for steps of 1..8 decodes, where per-call overhead
+was a quarter to a third of the step).
 
 Route: plain `g++` on a self-contained C++ file (no torch headers), loaded with ctypes. Chosen over
 `torch.utils.cpp_extension` because including torch's headers (pybind11 + ATen) costs tens of

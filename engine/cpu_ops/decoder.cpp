@@ -19,15 +19,14 @@
 // (5 or 6 per layer); the residual alternates between two buffers so that thread 0 can write the
 // next one while the others still read the current one.
 //
-// A projection may be per-output-channel int8 instead (its float32 pointer null, its TpInt8Weight set:
-// gemv.h's row kernel on int8 rows, the sum times the row's scale, as gemv.cpp's tp_gemv_i8), or a
-// group-wise int4 weight (its TpInt4Weight set; int4_tile.h): each thread prescales the projection's input into its own buffer (B x in floats,
-// as the norms: cheaper than a barrier) and the rows are claimed a 16-column tile at a time (qkv: a
-// head's tiles, so head_dim % 16 == 0; gate/up: gate tile t with up tile t + intermediate / 16, so
-// intermediate % 16 == 0).
+// A projection may be per-output-channel int8 instead (its float32 pointer null, its TpInt8Weight set)
+// or group-wise int4 (its TpInt4Weight set); projections.h computes each form. For int4 each thread
+// prescales the projection's input into its own buffer (B x in floats, as the norms: cheaper than a
+// barrier) and the rows are claimed a 16-column tile at a time (qkv: a head's tiles, so
+// head_dim % 16 == 0; gate/up: gate tile t with up tile t + intermediate / 16, so intermediate % 16 == 0).
 //
-// Every piece is the function the per-call ops use (gemv.h, int4_tile.h, fused.h, attention_run.h) on the same
-// inputs, in the same order, with the same attention plan, so the result is bit-identical to the
+// Every piece is the function the per-call ops use (gemv.h, int4_tile.h, fused.h, attention_run.h) on
+// the same inputs, in the same order, with the same attention plan, so the result is bit-identical to the
 // layer-by-layer path with the compiled ops. Threads: the caller's count, in the OpenMP runtime
 // torch loaded (build.py).
 #include <algorithm>
@@ -36,18 +35,11 @@
 
 #include "attention_run.h"
 #include "fused.h"
-#include "gemv.h"
-#include "int4_tile.h"
+#include "projections.h"
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-// Per-output-channel int8 weights: W[o, i] = w[o, i] * scales[o] (w: [rows, in] row-major). w == nullptr: none.
-struct TpInt8Weight {
-  const int8_t* w;
-  const float* scales;
-};
 
 // Mirrored by ctypes Structures in decoder.py, field for field.
 struct TpDecoderLayer {
@@ -88,7 +80,6 @@ namespace tidepool {
 namespace {
 
 using Dec = TpDecoderArgs;
-constexpr int BLOCK_ROWS = 32;  // rows of a projection per claim (as gemv.cpp's dynamic schedule)
 
 enum DecoderError { BAD_BATCH = 7, BAD_SLOT = 8 };
 
@@ -100,31 +91,12 @@ struct Buffers {
   std::vector<Scratch> scratch;
 };
 
-// A thread's int4 input buffers, prescaled from x [B, in] (int4_tile.h's `prescale`).
-struct Int4Input {
-  float* xs;
-  float* sums;
-};
-
+// This thread's int4 input buffers, prescaled from x [B, in].
 inline Int4Input int4_input(Buffers& buf, int tid, int64_t batch, const float* x, int64_t in,
                             const TpInt4Weight& w) {
   Int4Input r{buf.xs.data() + tid * batch * buf.max_in, buf.sums.data() + tid * batch * (buf.max_in / 8)};
   prescale(x, in, batch, in, w.group, r.xs, r.sums);
   return r;
-}
-
-// y[b, o] = W x[b] (+ bias[o]) for an int4 W of `rows` outputs, 16-column tiles claimed one at a time; ends at a barrier.
-template <int B>
-void project_int4(const TpInt4Weight& w, const float* bias, const Int4Input& in, int64_t k, float* y, int64_t ldy,
-                  int64_t rows) {
-  const int64_t tiles = (rows + TILE - 1) / TILE;
-#pragma omp for schedule(dynamic, 1)
-  for (int64_t t = 0; t < tiles; ++t) {
-    int4_tile(w, k, rows, in.xs, in.sums, B, t, y + t * TILE, ldy);
-    if (bias != nullptr)
-      for (int b = 0; b < B; ++b)
-        for (int64_t o = t * TILE; o < std::min<int64_t>(rows, (t + 1) * TILE); ++o) y[b * ldy + o] += bias[o];
-  }
 }
 
 inline int thread_id() {
@@ -133,31 +105,6 @@ inline int thread_id() {
 #else
   return 0;
 #endif
-}
-
-// Row o of a float32 or int8 projection times B inputs (int8: the sum times the row's scale, as tp_gemv_i8).
-template <int B>
-inline void weight_row(const float* w, const TpInt8Weight& w8, int64_t o, const float* x, int64_t ldx, int64_t in,
-                       float* r) {
-  if (w != nullptr) {
-    row_dot<B>(w + o * in, x, ldx, in, r);
-    return;
-  }
-  row_dot<B>(w8.w + o * in, x, ldx, in, r);
-  for (int b = 0; b < B; ++b) r[b] *= w8.scales[o];
-}
-
-// y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims; ends
-// at a barrier.
-template <int B>
-void project(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx, float* y,
-             int64_t ldy, int64_t rows, int64_t in) {
-#pragma omp for schedule(dynamic, BLOCK_ROWS)
-  for (int64_t o = 0; o < rows; ++o) {
-    float r[B];
-    weight_row<B>(w, w8, o, x, ldx, in, r);
-    for (int b = 0; b < B; ++b) y[b * ldy + o] = bias != nullptr ? r[b] + bias[o] : r[b];
-  }
 }
 
 // The norm of phases 1 and 5 for every row: into this thread's xn; the residual into res_out
@@ -340,16 +287,6 @@ bool has_int4(const Dec& d) {
     if (L.qkv_q4.q || L.o_q4.q || L.gate_up_q4.q || L.down_q4.q) return true;
   }
   return false;
-}
-
-// Exactly one of the three forms; an int4 one of the shapes int4_tile.h takes, in whole tiles where
-// its phase claims them (`whole_tiles`).
-bool projection_ok(const float* w, const TpInt8Weight& w8, const TpInt4Weight& w4, int64_t in, int64_t rows,
-                   bool whole_tiles) {
-  const int forms = (w != nullptr) + (w8.w != nullptr) + (w4.q != nullptr);
-  if (forms != 1) return false;
-  if (w8.w != nullptr) return w8.scales != nullptr;
-  return w4.q == nullptr || (int4_shape_ok(w4, in, rows) && whole_tiles);
 }
 
 bool layer_ok(const Dec& d, const TpDecoderLayer& L) {
