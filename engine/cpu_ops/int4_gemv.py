@@ -1,15 +1,15 @@
 """Python binding of the compiled group-wise int4 matmul (`int4_gemv.cpp`): quantized projections on CPU.
 
 `CpuInt4Gemv(path)` loads a built library with ctypes. The op reads the weight in tiles of 16
-output columns (`TILE`): `tile_weight(qweight, scales, offset)` turns Tidepool's int4 layout
-(`kernels/int4_packing.py`: int32 ``qweight [K/8, N]``, ``scales``/``offset`` ``[K/g, N]``) into
+output columns (`TILE`): `tile_weight(qweight, scales, zeros, group_size, mins)` turns Tidepool's int4
+layout (`kernels/int4_packing.py`: int32 ``qweight [K/8, N]``, scales and offsets ``[K/g, N]``) into
 `Int4Tiles` once, at load (`engine/quant/runtime.py`); `op(x, tiles)` then computes ``x @ W`` for a
 float32 ``x [M, K]`` (unit column stride, any M) with torch's intra-op thread count and the GIL
 released. Scales and offsets stay in their dtype (float32, bfloat16 or float16, one for both).
 
 Why: the torch path (`kernels/dispatch.py`, unpacking into float matrices and batched matmuls) made
-an int4 model 2-4x slower than the same model dense on CPU; this reads each packed weight once and
-applies the scale and offset once per group (bench/quant.py).
+an int4 model 2-9x slower than the same model dense on CPU (bench/quant.py, bench/quantized_decode.py);
+this reads each packed weight once and applies the scale and offset once per group.
 """
 
 from __future__ import annotations
