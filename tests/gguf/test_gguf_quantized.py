@@ -138,7 +138,8 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
 
     monkeypatch.setattr(decoder_module.CpuDecoder, "run", counted)
     file = gguf_model(variant, type_name)
-    prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9]]
+    # Six sequences: the int4 tiles take inputs four at a time, so steps of 5-6 run a second pass per tile.
+    prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9], [42] * 5, [7, 1, 400, 33]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     results = []
     for mode in ("compiled", "torch"):
