@@ -49,12 +49,6 @@ constexpr int MAX_INPUTS = 4;  // inputs per pass over a tile: 2 x 4 accumulator
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
 
-inline vi load_i(const int32_t* p) {
-  vi v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 inline vf as_float(vi v) { return __builtin_convertvector(v, vf); }
 
 // Nibble i of each word as a float, times 16^i for i < 7 (masked in place); the top nibble is shifted
@@ -133,7 +127,7 @@ void tile(const TpInt4Weight& w, int64_t k, const float* xs, const float* sums, 
     for (int b = 0; b < B; ++b)
       for (int p = 0; p < P; ++p) acc[b][0][p] = acc[b][1][p] = vf{};
     for (int64_t r = g * rows_per_group; r < (g + 1) * rows_per_group; ++r) {
-      const vi lo = load_i(q + r * TILE), hi = load_i(q + r * TILE + W);
+      const vi lo = load(q + r * TILE), hi = load(q + r * TILE + W);
       const float* x = xs + b0 * k + 8 * r;
       for (int i = 0; i < 8; ++i) {
         const vf qlo = nibble(lo, i), qhi = nibble(hi, i);

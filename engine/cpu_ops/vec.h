@@ -22,6 +22,12 @@ inline vf load(const float* p) {
   return v;
 }
 
+inline vi load(const int32_t* p) {
+  vi v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // Not `vf{} + x`: adding +0.0 is not an identity for -0.0, so the compiler would keep the add.
