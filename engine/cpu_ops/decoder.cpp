@@ -1,9 +1,11 @@
 // A whole decode step of a Llama-family decoder stack on the CPU, float32, in one call.
 //
-// At batch 1..MAX_BATCH (gemv.h) a decode step is bound by reading the weights once. Run layer by
-// layer from Python, it is ~10 compiled calls per layer (norms, projections, rotary, KV store,
-// attention, SwiGLU), each a ctypes call, a few tensor allocations and an OpenMP fork/join: on
-// SmolLM2-135M that was a quarter of the step. Here the step is one parallel region; per layer:
+// A decode step of a few to ~100 sequences is bound by reading the weights once. Run layer by layer
+// from Python, it is ~10 compiled calls per layer (norms, projections, rotary, KV store, attention,
+// SwiGLU), each a ctypes call, a few tensor allocations and an OpenMP fork/join: on SmolLM2-135M that
+// was a quarter of the step at batch 1, and a step of 9 sequences took twice one of 8 while only the
+// one of 8 ran here. Here the step is one parallel region, for any batch up to MAX_WIDE_BATCH (the
+// caller keeps to the compiled GEMV's row limit); per layer:
 //
 //   1. input norm (+ residual add)    every thread computes it into its own buffer (B x hidden
 //                                     floats: cheaper than a barrier); thread 0 keeps the residual
@@ -86,6 +88,7 @@ enum DecoderError { BAD_BATCH = 7, BAD_SLOT = 8 };
 struct Buffers {
   std::vector<float> res0, res1, qkv, attn, o, act, h, parts;
   std::vector<float> xn, res_private;  // per thread, [threads][batch * hidden]
+  std::vector<float> gate_up;          // per thread, [threads][2][batch * BLOCK_ROWS]: a block of gate and up
   std::vector<float> xs, sums;         // per thread, [threads][batch * max_in], [threads][batch * max_in / 8]: int4 inputs
   int64_t max_in = 0;                  // the widest projection input (hidden, Hq * head_dim, intermediate)
   std::vector<Scratch> scratch;
@@ -109,18 +112,16 @@ inline int thread_id() {
 
 // The norm of phases 1 and 5 for every row: into this thread's xn; the residual into res_out
 // (thread 0: the shared next residual; the others: their private copy, never read).
-template <int B>
 void norm_rows(const Dec& d, const float* x, const float* residual, const float* weight, float* xn, float* res_out) {
   const int64_t n = d.hidden;
-  for (int b = 0; b < B; ++b)
+  for (int64_t b = 0; b < d.batch; ++b)
     add_rms_norm_row(x + b * n, residual == nullptr ? nullptr : residual + b * n, weight, xn + b * n,
                      res_out + b * n, n, d.eps);
 }
 
 // `q4`: the int4 input when the projection is int4 (then head_dim % TILE == 0: a head is whole tiles).
-template <int B>
 void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* qkv) {
-  const int64_t dim = d.head_dim, hidden = d.hidden;
+  const int64_t dim = d.head_dim, hidden = d.hidden, B = d.batch;
   const int hq = d.num_q_heads, hkv = d.num_kv_heads;
   const int64_t width = int64_t(hq + 2 * hkv) * dim;
 #pragma omp for schedule(dynamic, 1)
@@ -129,16 +130,13 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
       for (int64_t t = head * dim / TILE; t < (head + 1) * dim / TILE; ++t)
         int4_tile(L.qkv_q4, hidden, width, q4.xs, q4.sums, B, t, qkv + t * TILE, width);
       if (L.qkv_bias != nullptr)
-        for (int b = 0; b < B; ++b)
+        for (int64_t b = 0; b < B; ++b)
           for (int64_t o = head * dim; o < (head + 1) * dim; ++o) qkv[b * width + o] += L.qkv_bias[o];
     } else {
-      for (int64_t o = head * dim; o < (head + 1) * dim; ++o) {
-        float r[B];
-        weight_row<B>(L.qkv_weight, L.qkv_i8, o, xn, hidden, hidden, r);
-        for (int b = 0; b < B; ++b) qkv[b * width + o] = L.qkv_bias != nullptr ? r[b] + L.qkv_bias[o] : r[b];
-      }
+      weight_rows(L.qkv_weight, L.qkv_i8, L.qkv_bias, xn, hidden, hidden, B, head * dim, (head + 1) * dim, qkv, width,
+                  0);
     }
-    for (int b = 0; b < B; ++b) {
+    for (int64_t b = 0; b < B; ++b) {
       float* row = qkv + b * width + head * dim;
       if (head < hq + hkv) rotary_head(row, d.cos + b * dim, d.sin_signed + b * dim, dim / 2);
       if (head < hq) continue;
@@ -156,52 +154,49 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
 // gate/up rows [o0, o0 + BLOCK_ROWS) (int4: [o0, o0 + TILE), gate tile blk and up tile inter / TILE + blk,
 // so intermediate % TILE == 0) and act = silu(gate) * up on them: vector silu on whole vectors of the
 // row (i + W <= intermediate), scalar on the tail, as tp_silu_mul_f32 splits it.
-template <int B>
-void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* act) {
-  const int64_t inter = d.intermediate, hidden = d.hidden;
+// g and u: this thread's two [batch, BLOCK_ROWS] buffers.
+void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int4Input& q4, float* g, float* u,
+                   float* act) {
+  const int64_t inter = d.intermediate, hidden = d.hidden, B = d.batch;
   const bool int4 = L.gate_up_q4.q != nullptr;
   const int64_t rows = int4 ? TILE : BLOCK_ROWS, num_blocks = (inter + rows - 1) / rows;
+  const float* bias = L.gate_up_bias;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t blk = 0; blk < num_blocks; ++blk) {
     const int64_t o0 = blk * rows, o1 = std::min<int64_t>(o0 + rows, inter);
-    float g[B][BLOCK_ROWS], u[B][BLOCK_ROWS];
     if (int4) {
-      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, blk, &g[0][0], BLOCK_ROWS);
-      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, inter / TILE + blk, &u[0][0], BLOCK_ROWS);
-      if (L.gate_up_bias != nullptr)
-        for (int b = 0; b < B; ++b)
+      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, blk, g, BLOCK_ROWS);
+      int4_tile(L.gate_up_q4, hidden, 2 * inter, q4.xs, q4.sums, B, inter / TILE + blk, u, BLOCK_ROWS);
+      if (bias != nullptr)
+        for (int64_t b = 0; b < B; ++b)
           for (int64_t o = o0; o < o1; ++o) {
-            g[b][o - o0] += L.gate_up_bias[o];
-            u[b][o - o0] += L.gate_up_bias[inter + o];
+            g[b * BLOCK_ROWS + o - o0] += bias[o];
+            u[b * BLOCK_ROWS + o - o0] += bias[inter + o];
           }
+    } else {
+      weight_rows(L.gate_up_weight, L.gate_up_i8, bias, xn, hidden, hidden, B, o0, o1, g, BLOCK_ROWS, o0);
+      weight_rows(L.gate_up_weight, L.gate_up_i8, bias, xn, hidden, hidden, B, inter + o0, inter + o1, u, BLOCK_ROWS,
+                  inter + o0);
     }
-    for (int64_t o = o0; o < o1 && !int4; ++o) {
-      float rg[B], ru[B];
-      weight_row<B>(L.gate_up_weight, L.gate_up_i8, o, xn, hidden, hidden, rg);
-      weight_row<B>(L.gate_up_weight, L.gate_up_i8, inter + o, xn, hidden, hidden, ru);
-      for (int b = 0; b < B; ++b) {
-        g[b][o - o0] = L.gate_up_bias != nullptr ? rg[b] + L.gate_up_bias[o] : rg[b];
-        u[b][o - o0] = L.gate_up_bias != nullptr ? ru[b] + L.gate_up_bias[inter + o] : ru[b];
-      }
-    }
-    for (int b = 0; b < B; ++b) {
-      float* dst = act + b * inter;
-      int64_t o = o0;
-      for (; o + W <= o1; o += W) store(dst + o, silu(load(&g[b][o - o0])) * load(&u[b][o - o0]));
-      for (; o < o1; ++o) dst[o] = silu(g[b][o - o0]) * u[b][o - o0];
+    for (int64_t b = 0; b < B; ++b) {
+      float* dst = act + b * inter + o0;
+      const float *gb = g + b * BLOCK_ROWS, *ub = u + b * BLOCK_ROWS;
+      int64_t j = 0;
+      for (; j + W <= o1 - o0; j += W) store(dst + j, silu(load(gb + j)) * load(ub + j));
+      for (; j < o1 - o0; ++j) dst[j] = silu(gb[j]) * ub[j];
     }
   }
 }
 
-template <int B>
 void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers& buf) {
-  const int64_t hidden = d.hidden, q_size = int64_t(d.num_q_heads) * d.head_dim;
-  const int64_t per_thread = int64_t(B) * hidden;
+  const int64_t hidden = d.hidden, q_size = int64_t(d.num_q_heads) * d.head_dim, B = d.batch;
+  const int64_t per_thread = B * hidden;
 #pragma omp parallel num_threads(d.num_threads) if (d.num_threads > 1)
   {
     const int tid = thread_id();
     float* xn = buf.xn.data() + tid * per_thread;
     float* res_mine = buf.res_private.data() + tid * per_thread;
+    float* gate = buf.gate_up.data() + tid * 2 * B * BLOCK_ROWS;
     Scratch& sc = buf.scratch[tid];
     float* res[2] = {buf.res0.data(), buf.res1.data()};
     int cur = 0;
@@ -209,9 +204,9 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
     const Int4Input none{nullptr, nullptr};  // a dense projection reads its input as it is
     for (int layer = 0; layer < d.num_layers; ++layer) {
       const TpDecoderLayer& L = d.layers[layer];
-      norm_rows<B>(d, x, layer == 0 ? nullptr : res[cur], L.input_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
+      norm_rows(d, x, layer == 0 ? nullptr : res[cur], L.input_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      qkv_phase<B>(d, L, xn, L.qkv_q4.q ? int4_input(buf, tid, B, xn, hidden, L.qkv_q4) : none, buf.qkv.data());
+      qkv_phase(d, L, xn, L.qkv_q4.q ? int4_input(buf, tid, B, xn, hidden, L.qkv_q4) : none, buf.qkv.data());
       TpAttentionArgs a = att;
       a.k_cache = L.k_cache;
       a.v_cache = L.v_cache;
@@ -222,31 +217,25 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
         for (size_t i = 0; i < p.merges.size(); ++i) run_merge<float>(a, p.merges[i], buf.parts.data(), sc);
       }
       if (L.o_q4.q == nullptr)
-        project<B>(L.o_weight, L.o_i8, L.o_bias, buf.attn.data(), q_size, buf.o.data(), hidden, hidden, q_size);
+        project(L.o_weight, L.o_i8, L.o_bias, buf.attn.data(), q_size, B, buf.o.data(), hidden, hidden, q_size);
       else
-        project_int4<B>(L.o_q4, L.o_bias, int4_input(buf, tid, B, buf.attn.data(), q_size, L.o_q4), q_size,
-                        buf.o.data(), hidden, hidden);
-      norm_rows<B>(d, buf.o.data(), res[cur], L.post_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
+        project_int4(L.o_q4, L.o_bias, int4_input(buf, tid, B, buf.attn.data(), q_size, L.o_q4), B, q_size,
+                     buf.o.data(), hidden, hidden);
+      norm_rows(d, buf.o.data(), res[cur], L.post_norm, xn, tid == 0 ? res[cur ^ 1] : res_mine);
       cur ^= 1;
-      gate_up_phase<B>(d, L, xn, L.gate_up_q4.q ? int4_input(buf, tid, B, xn, hidden, L.gate_up_q4) : none,
-                       buf.act.data());
+      gate_up_phase(d, L, xn, L.gate_up_q4.q ? int4_input(buf, tid, B, xn, hidden, L.gate_up_q4) : none, gate,
+                    gate + B * BLOCK_ROWS, buf.act.data());
       if (L.down_q4.q == nullptr)
-        project<B>(L.down_weight, L.down_i8, L.down_bias, buf.act.data(), d.intermediate, buf.h.data(), hidden,
-                   hidden, d.intermediate);
+        project(L.down_weight, L.down_i8, L.down_bias, buf.act.data(), d.intermediate, B, buf.h.data(), hidden,
+                hidden, d.intermediate);
       else
-        project_int4<B>(L.down_q4, L.down_bias, int4_input(buf, tid, B, buf.act.data(), d.intermediate, L.down_q4),
-                        d.intermediate, buf.h.data(), hidden, hidden);
+        project_int4(L.down_q4, L.down_bias, int4_input(buf, tid, B, buf.act.data(), d.intermediate, L.down_q4), B,
+                     d.intermediate, buf.h.data(), hidden, hidden);
       x = buf.h.data();
     }
-    if (tid == 0) norm_rows<B>(d, x, d.num_layers == 0 ? nullptr : res[cur], d.final_norm, d.out, res_mine);
+    if (tid == 0) norm_rows(d, x, d.num_layers == 0 ? nullptr : res[cur], d.final_norm, d.out, res_mine);
   }
 }
-
-using StackFn = void (*)(const Dec&, const TpAttentionArgs&, const Plan&, Buffers&);
-constexpr StackFn STACKS[MAX_BATCH + 1] = {
-    nullptr,        run_stack<1>, run_stack<2>, run_stack<3>, run_stack<4>,
-    run_stack<5>,   run_stack<6>, run_stack<7>, run_stack<8>,
-};
 
 TpAttentionArgs attention_args(const Dec& d, Buffers& buf) {
   const int64_t q_size = int64_t(d.num_q_heads) * d.head_dim;
@@ -299,7 +288,7 @@ bool layer_ok(const Dec& d, const TpDecoderLayer& L) {
 }
 
 int validate_decoder(const Dec& d) {
-  if (d.batch < 1 || d.batch > MAX_BATCH) return BAD_BATCH;
+  if (d.batch < 1 || d.batch > MAX_WIDE_BATCH) return BAD_BATCH;
   if (d.num_layers < 0 || d.hidden < 1 || d.intermediate < 1 || d.head_dim < 2 || d.head_dim % 2 != 0 ||
       d.num_threads < 1 || d.block_size < 1 || d.num_blocks < 1)
     return BAD_SHAPE;
@@ -324,7 +313,7 @@ extern "C" {
 TP_EXPORT int tp_decoder_abi_version() { return 3; }
 TP_EXPORT int tp_decoder_args_size() { return int(sizeof(TpDecoderArgs)); }
 TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
-TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_BATCH; }
+TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // a bound on the arguments
 
 TP_EXPORT int tp_decoder_has_openmp() {
 #ifdef _OPENMP
@@ -352,6 +341,7 @@ TP_EXPORT int tp_decode_step_f32(const TpDecoderArgs* args) {
     buf.act.resize(B * int64_t(d.intermediate));
     buf.xn.resize(threads * B * hidden);
     buf.res_private.resize(threads * B * hidden);
+    buf.gate_up.resize(threads * 2 * B * BLOCK_ROWS);
     buf.max_in = std::max<int64_t>({hidden, q_size, int64_t(d.intermediate)});
     if (has_int4(d)) {
       buf.xs.resize(threads * B * buf.max_in);
@@ -363,7 +353,7 @@ TP_EXPORT int tp_decode_step_f32(const TpDecoderArgs* args) {
     buf.parts.resize(size_t(p.parts_size));
     buf.scratch.reserve(threads);
     for (int t = 0; t < threads; ++t) buf.scratch.emplace_back(d.head_dim, p.state_rows);
-    STACKS[d.batch](d, att, p, buf);
+    run_stack(d, att, p, buf);
   } catch (const std::bad_alloc&) {
     return OUT_OF_MEMORY;
   }

@@ -8,7 +8,9 @@ the CPU); a projection is a float32 matrix, an int8 weight whose `cpu_int8()` gi
 or an int4 one whose `cpu_tiles()` gives `int4_gemv.Int4Tiles` (`engine/quant/runtime.py`); a step then calls
 `run` with the embeddings, the rotary rows, the KV caches and the attention views, and gets the
 final norm's output, bit-identical to running the layers one by one with the compiled ops
-(`gemv.h`, `int4_tile.h`, `fused.h` and `attention_run.h` are the same code in both).
+(`projections.h`, `int4_tile.h`, `fused.h` and `attention_run.h` are the same code in both).
+`max_batch` is the compiled GEMV's row limit (`gemv.MAX_ROWS`): above it the layers' projections go
+to torch's GEMM, and so does the step.
 
 Invariants the caller keeps: the prepared weights are not reallocated while the prepared object
 lives (load_weights copies into them in place); a step qualifies only when it is all decodes (one
@@ -27,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .gemv import MAX_ROWS
 from .int4_gemv import TILE, Int4Struct, Int4Tiles
 from .paged_attention import _check_views
 
@@ -171,7 +174,7 @@ class CpuDecoder:
             raise RuntimeError(f"{path}: ABI mismatch with {__name__} (stale build?)")
         lib.tp_decode_step_f32.argtypes = [ctypes.POINTER(_Args)]
         self._fn = lib.tp_decode_step_f32
-        self.max_batch = int(lib.tp_decoder_max_batch())
+        self.max_batch = min(MAX_ROWS, int(lib.tp_decoder_max_batch()))  # the layer-by-layer path's GEMV limit
         self.has_openmp = bool(lib.tp_decoder_has_openmp())
         self._lib = lib
 

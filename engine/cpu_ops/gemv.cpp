@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "gemv.h"
+#include "projections.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -30,39 +30,15 @@
 namespace tidepool {
 namespace {
 
-// Rows [lo, hi) of the weights times B input rows (a whole batch of 1..MAX_BATCH, or one group of a wider
-// one); `scales` (int8 weights): each row's sum times its scale.
-template <int B, typename T>
-void group_rows(const T* w, const float* scales, const float* x, float* y, int64_t lo, int64_t hi, int64_t in,
-                int64_t ldx, int64_t ldy) {
-  for (int64_t o = lo; o < hi; ++o) {
-    float out[B];
-    row_dot<B>(w + o * in, x, ldx, in, out);
-    for (int b = 0; b < B; ++b) y[b * ldy + o] = scales != nullptr ? out[b] * scales[o] : out[b];
-  }
-}
-
-constexpr int64_t BLOCK_ROWS = 32;
-
-// Threads claim BLOCK_ROWS-row blocks; each block is multiplied with the inputs MAX_BATCH at a time.
-template <typename T>
-void gemv(const T* w, const float* scales, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
+// Threads claim BLOCK_ROWS-row blocks; each block is multiplied with the inputs MAX_BATCH at a time
+// (projections.h's weight_rows, which the one-call decode step runs too). w: float32, else w8.
+void gemv(const float* w, const TpInt8Weight& w8, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
           int64_t ldx, int64_t ldy, int num_threads) {
-  using GroupFn = void (*)(const T*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                           int64_t);
-  constexpr GroupFn GROUPS[MAX_BATCH + 1] = {
-      nullptr,           group_rows<1, T>, group_rows<2, T>, group_rows<3, T>, group_rows<4, T>,
-      group_rows<5, T>,  group_rows<6, T>, group_rows<7, T>, group_rows<8, T>,
-  };
   const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
-  for (int64_t block = 0; block < blocks; ++block) {
-    const int64_t lo = block * BLOCK_ROWS, hi = std::min(rows, lo + BLOCK_ROWS);
-    for (int64_t b = 0; b < batch; b += MAX_BATCH) {
-      const int64_t group = std::min<int64_t>(MAX_BATCH, batch - b);
-      GROUPS[group](w, scales, x + b * ldx, y + b * ldy, lo, hi, in, ldx, ldy);
-    }
-  }
+  for (int64_t block = 0; block < blocks; ++block)
+    weight_rows(w, w8, nullptr, x, ldx, in, batch, block * BLOCK_ROWS, std::min(rows, (block + 1) * BLOCK_ROWS), y,
+                ldy, 0);
 }
 
 bool args_ok(int64_t batch, int64_t rows, int64_t in, int64_t ldx, int64_t ldy) {
@@ -91,7 +67,7 @@ TP_EXPORT int tp_gemv_has_openmp() {
 TP_EXPORT int tp_gemv_f32(const float* w, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
                           int64_t ldx, int64_t ldy, int32_t num_threads) {
   if (!tidepool::args_ok(batch, rows, in, ldx, ldy)) return -1;
-  tidepool::gemv<float>(w, nullptr, x, y, batch, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
+  tidepool::gemv(w, {nullptr, nullptr}, x, y, batch, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
   return 0;
 }
 
@@ -99,7 +75,7 @@ TP_EXPORT int tp_gemv_f32(const float* w, const float* x, float* y, int64_t batc
 TP_EXPORT int tp_gemv_i8(const int8_t* w, const float* scales, const float* x, float* y, int64_t batch, int64_t rows,
                          int64_t in, int64_t ldx, int64_t ldy, int32_t num_threads) {
   if (!tidepool::args_ok(batch, rows, in, ldx, ldy) || scales == nullptr) return -1;
-  tidepool::gemv<int8_t>(w, scales, x, y, batch, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
+  tidepool::gemv(nullptr, {w, scales}, x, y, batch, rows, in, ldx, ldy, num_threads < 1 ? 1 : num_threads);
   return 0;
 }
 

@@ -1,6 +1,6 @@
 // How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
-// rows and int8 rows (gemv.h's row kernel; int8: the sum times the row's scale, as gemv.cpp's
-// tp_gemv_i8) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a
+// rows and int8 rows (gemv.h's row kernel, inputs MAX_BATCH at a time; int8: the sum times the row's
+// scale, as gemv.cpp's tp_gemv_i8) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a
 // time from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
 #pragma once
 
@@ -27,42 +27,59 @@ struct Int4Input {
   float* sums;
 };
 
-// y[b, o] = W x[b] (+ bias[o]) for an int4 W of `rows` outputs, 16-column tiles claimed one at a time.
-template <int B>
-void project_int4(const TpInt4Weight& w, const float* bias, const Int4Input& in, int64_t k, float* y, int64_t ldy,
-                  int64_t rows) {
+// y[b, o] = W x[b] (+ bias[o]) for an int4 W of `rows` outputs, 16-column tiles claimed one at a time
+// (int4_tile takes the inputs MAX_INPUTS at a time).
+inline void project_int4(const TpInt4Weight& w, const float* bias, const Int4Input& in, int64_t batch, int64_t k,
+                         float* y, int64_t ldy, int64_t rows) {
   const int64_t tiles = (rows + TILE - 1) / TILE;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t t = 0; t < tiles; ++t) {
-    int4_tile(w, k, rows, in.xs, in.sums, B, t, y + t * TILE, ldy);
+    int4_tile(w, k, rows, in.xs, in.sums, batch, t, y + t * TILE, ldy);
     if (bias != nullptr)
-      for (int b = 0; b < B; ++b)
+      for (int64_t b = 0; b < batch; ++b)
         for (int64_t o = t * TILE; o < std::min<int64_t>(rows, (t + 1) * TILE); ++o) y[b * ldy + o] += bias[o];
   }
 }
 
-// Row o of a float32 or int8 projection times B inputs (int8: the sum times the row's scale, as tp_gemv_i8).
-template <int B>
-inline void weight_row(const float* w, const TpInt8Weight& w8, int64_t o, const float* x, int64_t ldx, int64_t in,
-                       float* r) {
-  if (w != nullptr) {
-    row_dot<B>(w + o * in, x, ldx, in, r);
-    return;
+// Rows [lo, hi) of a float32 (w) or int8 (w8) projection times G inputs x [G, in]:
+// y[b * ldy + o - col0] = w[o] . x[b] (int8: times the row's scale, as tp_gemv_i8) (+ bias[o]).
+template <int G>
+void group_rows(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx, int64_t in,
+                int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
+  for (int64_t o = lo; o < hi; ++o) {
+    float r[G];
+    if (w != nullptr) {
+      row_dot<G>(w + o * in, x, ldx, in, r);
+    } else {
+      row_dot<G>(w8.w + o * in, x, ldx, in, r);
+      for (int b = 0; b < G; ++b) r[b] *= w8.scales[o];
+    }
+    for (int b = 0; b < G; ++b) y[b * ldy + o - col0] = bias != nullptr ? r[b] + bias[o] : r[b];
   }
-  row_dot<B>(w8.w + o * in, x, ldx, in, r);
-  for (int b = 0; b < B; ++b) r[b] *= w8.scales[o];
+}
+
+// The same for `batch` inputs, MAX_BATCH at a time from the first (as gemv.cpp groups them, so every
+// input gets the same sum as there: row_dot's accumulators depend on the group's size). Rows [lo, hi)
+// are few (a block, a head) so that they stay in L2 for the later groups.
+inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
+                        int64_t in, int64_t batch, int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
+  using GroupFn = void (*)(const float*, const TpInt8Weight&, const float*, const float*, int64_t, int64_t, int64_t,
+                           int64_t, float*, int64_t, int64_t);
+  constexpr GroupFn GROUPS[MAX_BATCH + 1] = {
+      nullptr,        group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
+      group_rows<5>,  group_rows<6>, group_rows<7>, group_rows<8>,
+  };
+  for (int64_t b = 0; b < batch; b += MAX_BATCH)
+    GROUPS[std::min<int64_t>(MAX_BATCH, batch - b)](w, w8, bias, x + b * ldx, ldx, in, lo, hi, y + b * ldy, ldy, col0);
 }
 
 // y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims.
-template <int B>
-void project(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx, float* y,
-             int64_t ldy, int64_t rows, int64_t in) {
-#pragma omp for schedule(dynamic, BLOCK_ROWS)
-  for (int64_t o = 0; o < rows; ++o) {
-    float r[B];
-    weight_row<B>(w, w8, o, x, ldx, in, r);
-    for (int b = 0; b < B; ++b) y[b * ldy + o] = bias != nullptr ? r[b] + bias[o] : r[b];
-  }
+inline void project(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
+                    int64_t batch, float* y, int64_t ldy, int64_t rows, int64_t in) {
+  const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t blk = 0; blk < blocks; ++blk)
+    weight_rows(w, w8, bias, x, ldx, in, batch, blk * BLOCK_ROWS, std::min(rows, (blk + 1) * BLOCK_ROWS), y, ldy, 0);
 }
 
 // Exactly one of the three forms; an int4 one of the shapes int4_tile.h takes, in whole tiles where

@@ -3,9 +3,10 @@
 Engine level, on every model variant of the model-vs-transformers tests plus one with biases on every
 projection: greedy tokens AND their logprobs are identical, bit for bit, with the step on and off
 (the layers then run with the same compiled ops one call at a time), through continuous batching
-with chunked prefill, sliding windows and batches above the op's limit (those steps take the
-layers). Model level: the op refuses what it does not take (a step with a prefill, a hooked layer,
-weights it cannot read) and then the layers run; a bad slot is an error that writes nothing.
+with chunked prefill, sliding windows, batches wider than the row kernel's group of 8 and batches
+above the op's limit (those steps take the layers). Model level: the op refuses what it does not
+take (a step with a prefill, a hooked layer, weights it cannot read) and then the layers run; a bad
+slot is an error that writes nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from decoder_steps import count_decoder_steps
 from model_variants import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams, cpu_ops
-from tidepool.engine.cpu_ops import decoder as decoder_module
 from tidepool.engine.cpu_ops.decoder import DecoderShape
 
 BIAS_VARIANT = "llama-all-biases"
@@ -33,16 +34,7 @@ def decoder(monkeypatch: pytest.MonkeyPatch) -> Iterator[cpu_ops.CpuDecoder]:
     cpu_ops.reset()
     op = cpu_ops.decoder_op()
     assert op is not None
-    counts = {"ran": 0}
-    run = decoder_module.CpuDecoder.run
-
-    def counted(self: cpu_ops.CpuDecoder, *args: object, **kwargs: object) -> torch.Tensor | None:
-        out = run(self, *args, **kwargs)  # type: ignore[arg-type]
-        counts["ran"] += out is not None
-        return out
-
-    monkeypatch.setattr(decoder_module.CpuDecoder, "run", counted)
-    op.counts = counts  # type: ignore[attr-defined]
+    op.counts = count_decoder_steps(monkeypatch)  # type: ignore[attr-defined]
     yield op
     cpu_ops.reset()
 
@@ -90,9 +82,15 @@ def test_tokens_and_logprobs_identical_with_the_step_on_and_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = bias_model_dir if variant == BIAS_VARIANT else hf_model_dir(variant)
-    for max_num_seqs in (6, decoder.max_batch + 3):  # the larger also has steps the op does not take
+    # Steps of up to 11 sequences: the row kernel's inputs in a group of 8 and a remainder of 1-3. With
+    # the op's limit lowered to 4, the wider steps take the layers and the narrower ones the op.
+    for max_num_seqs, limit in ((6, decoder.max_batch), (11, decoder.max_batch), (11, 4)):
+        op = cpu_ops.decoder_op()
+        assert op is not None
+        op.max_batch = limit
+        ran = decoder.counts["ran"]  # type: ignore[attr-defined]
         got = _generate(path, max_num_seqs)
-        assert decoder.counts["ran"] > 0  # type: ignore[attr-defined]
+        assert decoder.counts["ran"] > ran  # type: ignore[attr-defined]
         monkeypatch.setenv(cpu_ops.DECODER_MODE_ENV, "torch")
         cpu_ops.reset()
         assert cpu_ops.decoder_op() is None and cpu_ops.fused_op() is not None

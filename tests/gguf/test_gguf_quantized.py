@@ -15,8 +15,8 @@ import pytest
 import torch
 from gguf_files import hf_to_gguf
 
+from decoder_steps import count_decoder_steps
 from tidepool.engine import LLM, SamplingParams, cpu_ops
-from tidepool.engine.cpu_ops import decoder as decoder_module
 from tidepool.engine.models.loader import load_model
 from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight, Int8Weight, weight_bytes
@@ -128,18 +128,12 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
     layers run; int8 rows have no such constraint."""
     for env in (cpu_ops.MODE_ENV, cpu_ops.GEMV_MODE_ENV, cpu_ops.FUSED_MODE_ENV, cpu_ops.INT4_MODE_ENV):
         monkeypatch.setenv(env, "compiled")
-    ran = {"steps": 0}
-    run = decoder_module.CpuDecoder.run
-
-    def counted(self: cpu_ops.CpuDecoder, *args: object, **kwargs: object) -> torch.Tensor | None:
-        out = run(self, *args, **kwargs)  # type: ignore[arg-type]
-        ran["steps"] += out is not None
-        return out
-
-    monkeypatch.setattr(decoder_module.CpuDecoder, "run", counted)
+    ran = count_decoder_steps(monkeypatch)
     file = gguf_model(variant, type_name)
-    # Six sequences: the int4 tiles take inputs four at a time, so steps of 5-6 run a second pass per tile.
+    # Eleven sequences: the int4 tiles take inputs four at a time (steps of 9-11 run three passes per tile), the
+    # int8 rows eight at a time (a group of 8 and a remainder of 1-3).
     prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9], [42] * 5, [7, 1, 400, 33]]
+    prompts += [[9, 9, 120], [64] * 11, [2, 3, 5, 7, 11, 13], [77], [18, 260, 4, 4]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     results = []
     for mode in ("compiled", "torch"):
@@ -154,6 +148,6 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
         out = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out])
         if mode == "compiled":
-            assert (ran["steps"] > 0) == step_runs
+            assert (ran["ran"] > 0) == step_runs
     cpu_ops.reset()
     assert results[0] == results[1]
