@@ -1,9 +1,10 @@
 """Attention's share of a batch-64 decode step: the compiled CPU op against the torch path (gather + SDPA).
 
-Each backend runs in its own process (TIDEPOOL_CPU_ATTENTION is read when the engine starts), on the
-same model and the same 64 prompts; the share is attention's wall time over the step's, median over the
-decode steps (`offline_throughput.tidepool_decode_steps`). Rounds alternate the backends so a noisy
-neighbour affects both alike.
+Each backend runs in its own process (TIDEPOOL_CPU_ATTENTION is read when the engine starts), layer by
+layer (TIDEPOOL_CPU_DECODER=torch: the one-call decode step has no attention call to time), on the
+same model and the same 64 prompts; the share is attention's wall time over the step's, median over
+the decode steps (`offline_throughput.tidepool_decode_steps`). Rounds alternate the backends so a
+noisy neighbour affects both alike.
 
     python bench/attention_share.py --model DIR [--rounds 2]
 """
@@ -47,7 +48,8 @@ def main() -> None:
         for backend in ("compiled", "torch"):
             cmd = [sys.executable, __file__, "--child", "--model", args.model, "--batch", str(args.batch),
                    "--context-len", str(args.context_len)]  # fmt: skip
-            env = {**os.environ, "TIDEPOOL_CPU_ATTENTION": backend}
+            # Attention is timed around the layers' calls; the one-call decode step makes none, so it is off.
+            env = {**os.environ, "TIDEPOOL_CPU_ATTENTION": backend, "TIDEPOOL_CPU_DECODER": "torch"}
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd="/tmp")
             result = {"backend": backend, **json.loads(out.stdout.strip().splitlines()[-1])}
             print(f"{backend:9s} step {result['step_s'] * 1e3:7.1f} ms  attention {result['attention_share']:.1%}")

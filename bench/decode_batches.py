@@ -1,13 +1,18 @@
-"""Decode step time by batch size: the compiled GEMV's grouped kernel above 8 rows vs torch's GEMM, one process.
+"""Decode step time by batch size, three ways in one engine: the one-call step, the layers with the grouped GEMV, torch.
 
-Above 8 sequences a decode step runs layer by layer, and each projection is either the compiled
-GEMV's grouped kernel (inputs in groups of 8 over each block of weight rows, `engine/cpu_ops/gemv.cpp`)
-or, as before it, torch (the transposed MKL product up to 96 rows, `F.linear` above:
-`engine/layers/linear.py`). Both run in one engine, switched round by round (the op's row limit),
-so the machine's noise hits both alike. Per batch size and round: the median step time of
-`--steps` decode steps at `--context-len` tokens of context; the ratio is torch / grouped per round,
-then the median over rounds. Batches of 1-8 (the one-call decode step either way) give the curve's
-left end. Writes JSON and a PNG of output tokens/s against batch size.
+- step: the one-call decode step (`engine/cpu_ops/decoder.cpp`) for every batch up to the GEMV's row limit
+  (128): the whole step in one parallel region, the row kernel taking the inputs in groups of 8.
+- layers: the one-call step to 8 sequences only (as before 2026-12-02's change), above it layer by layer:
+  ~10 compiled calls per layer from Python, each projection the compiled GEMV's grouped kernel
+  (`engine/cpu_ops/gemv.cpp`).
+- torch: as `layers`, but above 8 each projection is torch's (the transposed MKL product to 96 rows,
+  `F.linear` above: `engine/layers/linear.py`), the path before the grouped GEMV.
+
+The three are switched round by round through the ops' row limits (`max_batch`), so the machine's noise
+hits all alike and the order rotates. Per batch size and round: the median step time of `--steps`
+decode steps at `--context-len` tokens of context; a ratio (layers / step, torch / layers) is taken per
+round, then the median over rounds. At 1-8 all three run the one-call step, so those ratios show the
+noise. Greedy tokens are compared across the three. Writes JSON and a PNG of tokens/s by batch size.
 
     python bench/decode_batches.py --model <SmolLM2 GGUF or folder> [--batches 1,8,9,16,32,64] [--rounds 2]
 """
@@ -26,6 +31,8 @@ from tidepool.engine import LLM, cpu_ops
 from tidepool.engine.cpu_ops.gemv import MAX_ROWS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode_batches"
+# path -> (the one-call step's limit, the GEMV's limit)
+PATHS = {"step": (MAX_ROWS, MAX_ROWS), "layers": (8, MAX_ROWS), "torch": (8, 8)}
 
 
 def main() -> None:
@@ -33,57 +40,66 @@ def main() -> None:
     batches = "1,4,8,9,12,16,24,32,48,64,96,128"
     args = add_decode_arguments(parser, batches, steps=12, rounds=2, out=RESULTS).parse_args()
 
-    op = cpu_ops.gemv_op()
-    if op is None:
-        raise SystemExit("the compiled GEMV is unavailable here (no C++ compiler?): nothing to compare")
+    gemv, step_op = cpu_ops.gemv_op(), cpu_ops.decoder_op()
+    if gemv is None or step_op is None:
+        raise SystemExit("the compiled GEMV or decode step is unavailable here (no C++ compiler?): nothing to compare")
     folder, name = resolve_model(argparse.Namespace(model=args.model))
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(folder), dtype="float32", show_progress=False, max_num_seqs=max(batches), enable_prefix_caching=False)
-    limits = {"grouped": MAX_ROWS, "torch": 8}
-    steps: dict[int, dict[str, list[float]]] = {b: {k: [] for k in limits} for b in batches}
+    paths = list(PATHS)
+    steps: dict[int, dict[str, list[float]]] = {b: {k: [] for k in paths} for b in batches}
+    same_tokens: dict[int, bool] = {}
     for r in range(args.rounds):
         for b in batches:
-            for label in limits if r % 2 == 0 else reversed(limits):
-                op.max_batch = limits[label]
-                prompts = decode_prompts(b, args.context_len)
-                steps[b][label].append(tidepool_decode_steps(llm, prompts, args.steps)["step_s"])
-            g, t = steps[b]["grouped"][-1], steps[b]["torch"][-1]
-            print(f"round {r} bs={b:3d}: grouped {1e3 * g:7.1f} ms ({b / g:5.0f} tok/s)  torch {1e3 * t:7.1f} ms "
-                  f"({b / t:5.0f} tok/s)  {t / g:.2f}x", flush=True)  # fmt: skip
-    op.max_batch = MAX_ROWS
+            tokens = []
+            for label in paths[r % 3 :] + paths[: r % 3]:  # rotate who goes first
+                step_op.max_batch, gemv.max_batch = PATHS[label]
+                out = tidepool_decode_steps(llm, decode_prompts(b, args.context_len), args.steps)
+                steps[b][label].append(out["step_s"])
+                tokens.append(out["tokens"])
+            same_tokens[b] = same_tokens.get(b, True) and all(t == tokens[0] for t in tokens)
+            s, lay, t = (steps[b][k][-1] for k in paths)
+            print(f"round {r} bs={b:3d}: step {b / s:5.0f} tok/s  layers {b / lay:5.0f}  torch {b / t:5.0f}  "
+                  f"layers/step {lay / s:.2f}x", flush=True)  # fmt: skip
+    step_op.max_batch, gemv.max_batch = PATHS["step"]
     rows = []
     for b in batches:
-        g, t = (statistics.median(steps[b][k]) for k in limits)
-        ratio = statistics.median(x / y for x, y in zip(steps[b]["torch"], steps[b]["grouped"], strict=True))
-        rows.append({"batch": b, "grouped_step_s": g, "torch_step_s": t, "grouped_tok_s": b / g,
-                     "torch_tok_s": b / t, "speedup": ratio, "rounds": steps[b]})  # fmt: skip
+        ratio = {
+            f"{slow}/{fast}": statistics.median(x / y for x, y in zip(steps[b][slow], steps[b][fast], strict=True))
+            for slow, fast in (("layers", "step"), ("torch", "layers"), ("torch", "step"))
+        }
+        rows.append({"batch": b, **{f"{k}_tok_s": b / statistics.median(steps[b][k]) for k in paths},
+                     "ratios": ratio, "same_tokens": same_tokens[b], "rounds": steps[b]})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"decode_batches_{Path(name).stem}"
-    (args.out / f"{stem}.json").write_text(json.dumps({"model": name, "context_len": args.context_len, "rows": rows},
-                                                      indent=2))  # fmt: skip
+    result = {"model": name, "context_len": args.context_len, "steps": args.steps, "rows": rows}
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(rows, name, args.out / f"{stem}.png")
+    for row in rows:
+        print(f"bs={row['batch']:3d}: " + "  ".join(f"{k} {row[f'{k}_tok_s']:6.0f} tok/s" for k in paths) + "  "
+              + "  ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
+              + ("" if row["same_tokens"] else "  (greedy tokens differ)"))  # fmt: skip
+    print(f"wrote {args.out / stem}.json and .png")
+
+
+def plot(rows: list[dict], name: str, path: Path) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(8, 4))
-        for key, label in (("grouped_tok_s", "compiled GEMV, grouped above 8"), ("torch_tok_s", "torch GEMM above 8")):
-            ax.plot([r["batch"] for r in rows], [r[key] for r in rows], marker="o", label=label)
-        title = f"{name.split(' (')[0]}: decode by batch size"
-        ax.set(xlabel="sequences decoding", ylabel="output tokens/s", title=title)
-        ax.set_xscale("log", base=2)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.out / f"{stem}.png", dpi=110)
     except ImportError:
         print("matplotlib is not installed: no plot")
-    for row in rows:
-        print(
-            f"bs={row['batch']:3d}: grouped {row['grouped_tok_s']:6.0f} tok/s, torch {row['torch_tok_s']:6.0f} "
-            f"tok/s, {row['speedup']:.2f}x (median of {args.rounds} rounds)"
-        )
-    print(f"wrote {args.out / stem}.json and .png")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = {"step": "one-call step", "layers": "layer by layer above 8, grouped GEMV", "torch": "torch GEMM above 8"}
+    for key, label in labels.items():
+        ax.plot([r["batch"] for r in rows], [r[f"{key}_tok_s"] for r in rows], marker="o", label=label)
+    ax.set(xlabel="sequences decoding", ylabel="output tokens/s", title=f"{name.split(' (')[0]}: decode by batch size")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

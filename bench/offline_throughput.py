@@ -144,6 +144,9 @@ def tidepool_decode_steps(llm, prompts: list[list[int]], steps: int, attention: 
     mid = order[len(order) // 2]
     result = {"step_s": times[mid], "tokens": [tokens[f"decode-{i}"] for i in range(len(prompts))]}
     if attention:
+        if not any(shares):
+            raise RuntimeError("attention was never called from Python: the one-call decode step ran (time it with "
+                               "TIDEPOOL_CPU_DECODER=torch, `decoder_mode`)")  # fmt: skip
         result["attention_share"] = sorted(shares)[len(shares) // 2]
     return result
 

@@ -4,7 +4,7 @@ Three engines load the same .gguf (Q4_0/Q4_1 projections): "dense" dequantizes e
 "int4" keeps the projections as Tidepool int4 (`quantization="gguf"`: group 32, tiled for the compiled
 CPU op, `engine/cpu_ops/int4_gemv.cpp`); "int8" quantizes the dequantized projections to per-channel
 int8 at load (`quantization="int8"`, the compiled GEMV's int8 rows). The one-call decode step reads
-all three for 1-8 sequences. Rounds rotate the order; per batch size and round, the median step time
+all three (1-128 sequences). Rounds rotate the order; per batch size and round, the median step time
 of `--steps` decode steps at `--context-len` tokens of context; a speedup is dense / variant per round,
 then the median. bs=1 is also reported as bytes read per step (weights as stored + KV) / step time /
 the read bandwidth measured in the same run. Finally, once, the int4 model on torch's int4 path
