@@ -165,6 +165,11 @@ class FinalStatus:
                 self.deleted.set()
                 return
 
+    def close(self) -> None:
+        """Stop watching (at the next event or the watch's timeout: the thread is a daemon) and wait briefly."""
+        self._watch.stop()
+        self._thread.join(timeout=10)
+
     def exit_code(self) -> int | None:
         for status in (self.last.status.container_statuses or []) if self.last else []:
             if status.name == "engine" and status.state.terminated is not None:
@@ -172,7 +177,7 @@ class FinalStatus:
         return None
 
 
-def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, served):
+def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, served, request):
     """The request is provably in flight when SIGTERM lands: its engine is frozen after the first
     streamed chunk and thawed only once the kubelet's SIGTERM is pending in the frozen process."""
     ns = served.namespace
@@ -182,6 +187,7 @@ def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, 
     real_cluster.kubectl("annotate", "pod", pod_name, "-n", ns, "controller.kubernetes.io/pod-deletion-cost=-1000")
     cid, pid = container_pid(real_cluster, target)
     final = FinalStatus(real_cluster, ns, pod_name)
+    request.addfinalizer(final.close)  # a failed assertion below must not leave the watch running
     max_tokens = 300
     body = {
         "model": NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
