@@ -1,7 +1,8 @@
 // How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
 // rows and int8 rows (gemv.h's row kernel, inputs MAX_BATCH at a time; int8: the sum times the row's
-// scale, as gemv.cpp's tp_gemv_i8) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a
-// time from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
+// scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a time
+// from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
+// gemv.cpp's per-call GEMV runs the same weight_rows, so the two paths give the same bits.
 #pragma once
 
 #include <algorithm>
