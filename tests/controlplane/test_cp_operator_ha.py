@@ -88,7 +88,9 @@ def test_one_leader_reconciles_and_the_standby_takes_over(control_plane, cp_name
         op.start()
     try:
         wait_until(lambda: all(identity_of(op) for op in ops), 60, "both operators started")
-        holder = wait_until(lambda: lease_holder(control_plane), 60, "a leader")
+        ours = {identity_of(op) for op in ops}
+        # An earlier test's operator may still hold the Lease until it expires (15 s): wait for one of ours.
+        holder = wait_until(lambda: lease_holder(control_plane) in ours and lease_holder(control_plane), 60, "a leader")
         (leader,) = [op for op in ops if identity_of(op) == holder]
         (standby,) = [op for op in ops if op is not leader]
 
