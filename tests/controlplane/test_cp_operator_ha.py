@@ -89,8 +89,12 @@ def test_one_leader_reconciles_and_the_standby_takes_over(control_plane, cp_name
     try:
         wait_until(lambda: all(identity_of(op) for op in ops), 60, "both operators started")
         ours = {identity_of(op) for op in ops}
-        # An earlier test's operator may still hold the Lease until it expires (15 s): wait for one of ours.
-        holder = wait_until(lambda: lease_holder(control_plane) in ours and lease_holder(control_plane), 60, "a leader")
+
+        def our_holder() -> str | None:  # an earlier test's operator may hold the Lease until it expires (15 s)
+            holder = lease_holder(control_plane)
+            return holder if holder in ours else None
+
+        holder = wait_until(our_holder, 60, "one of the two as leader")
         (leader,) = [op for op in ops if identity_of(op) == holder]
         (standby,) = [op for op in ops if op is not leader]
 
