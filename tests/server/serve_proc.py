@@ -38,7 +38,11 @@ class Server:
 
     def hold(self, held: bool = True) -> None:
         """Let the engine run until every request has started generating, then hold it there (or release
-        it); needs a server started with `control_dir`."""
+        it); needs a server started with `control_dir`. A new hold first clears the last one's count, which
+        the engine writes only while the `hold` file exists, so `num_held` never reads a previous hold."""
+        if held:
+            assert self.control_dir is not None, "start the server with control_dir to hold it"
+            (self.control_dir / "holding").unlink(missing_ok=True)
         self._control("hold", held)
 
     def num_held(self) -> int:

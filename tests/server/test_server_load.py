@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -73,7 +76,22 @@ def test_64_concurrent_streams(server: Server) -> None:
     server.wait_pool_free()
 
 
-def test_metrics_move_with_load(server: Server) -> None:
+@pytest.fixture(scope="module")
+def held(serve_controlled: Callable[..., Server]) -> Server:
+    """A server whose engine the test holds mid-generation: "while it runs" is then certain, however fast
+    the machine decodes (on a fast one a 900-token request can finish before any client timeout)."""
+    return serve_controlled()
+
+
+def _wait_held(server: Server, num: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.num_held() != num:
+        assert time.monotonic() < deadline, f"the engine never held {num} running requests"
+        time.sleep(0.05)
+
+
+def test_metrics_move_with_load(held: Server) -> None:
+    server = held
     server.wait_pool_free()
     before = scrape(server)
     for family in (*names.GAUGES, *names.HISTOGRAMS):
@@ -92,14 +110,15 @@ def test_metrics_move_with_load(server: Server) -> None:
         result["resp"] = httpx.post(server.api + "/completions", json=body, timeout=120).json()
         done.set()
 
+    server.hold()
     thread = threading.Thread(target=long_request)
     thread.start()
-    deadline = time.monotonic() + 30
-    during = scrape(server)
-    while value(during, names.NUM_REQUESTS_RUNNING) < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        _wait_held(server, 1)
         during = scrape(server)
-    assert value(during, names.NUM_REQUESTS_RUNNING) >= 1
+    finally:
+        server.hold(False)
+    assert value(during, names.NUM_REQUESTS_RUNNING) == 1
     assert value(during, names.KV_CACHE_USAGE_PERC) > 0
     thread.join(120)
     assert done.is_set()
@@ -133,31 +152,52 @@ def test_metrics_move_with_load(server: Server) -> None:
     assert value(again, "vllm:prefix_cache_hits_total") - value(after, "vllm:prefix_cache_hits_total") >= 256
 
 
-def test_stream_disconnect_frees_blocks(server: Server) -> None:
+def _aborted_since(server: Server, before: dict) -> float:
+    after = scrape(server)
+    name = "vllm:request_success_total"
+    return value(after, name, finished_reason="abort") - value(before, name, finished_reason="abort")
+
+
+def test_stream_disconnect_frees_blocks(held: Server) -> None:
+    server = held
     server.wait_pool_free()
     before = scrape(server)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", server.api + "/completions", json=body) as resp:
-        assert resp.status_code == 200
-        lines = resp.iter_lines()
-        for _ in range(6):
-            next(lines)
-        assert server.kv()["num_free_blocks"] < server.kv()["num_blocks"]
-    # Leaving the block closes the connection mid-stream.
-    server.wait_pool_free()
-    after = scrape(server)
-    aborted = value(after, "vllm:request_success_total", finished_reason="abort") - value(
-        before, "vllm:request_success_total", finished_reason="abort"
-    )
-    assert aborted == 1
+    server.hold()
+    try:
+        with httpx.Client(timeout=60) as client, client.stream("POST", server.api + "/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()  # kept: a dropped iterator closes the response, which is the disconnect
+            assert next(lines).startswith("data: ")  # the first token
+            _wait_held(server, 1)
+            kv = server.kv()
+            assert kv["num_running"] == 1 and kv["num_free_blocks"] < kv["num_blocks"], kv
+        # Leaving the block closes the connection mid-stream; the engine still holds, so only the abort
+        # can free the blocks.
+        server.wait_pool_free()
+    finally:
+        server.hold(False)
+    assert _aborted_since(server, before) == 1
 
 
-def test_non_stream_disconnect_frees_blocks(server: Server) -> None:
+def test_non_stream_disconnect_frees_blocks(held: Server) -> None:
+    server = held
     server.wait_pool_free()
+    before = scrape(server)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "n": 2}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.api + "/completions", json=body, timeout=1.0)
-    server.wait_pool_free()
+    server.hold()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        _wait_held(server, 2)  # both choices are generating; no answer can have been sent
+        kv = server.kv()
+        assert kv["num_running"] == 2 and kv["num_free_blocks"] < kv["num_blocks"], kv
+        conn.close()  # the client goes away before the (non-streamed) answer
+        server.wait_pool_free()
+    finally:
+        conn.close()
+        server.hold(False)
+    assert _aborted_since(server, before) == 2
 
 
 def test_async_client_abort_frees_blocks(server: Server) -> None:
