@@ -11,25 +11,23 @@ Invariants:
 - The tokenizer has exactly the preset's vocabulary size, special tokens included.
 - `initializer_range` is large enough that next-token logits are far from flat, so greedy tokens
   are stable when an engine is compared with `transformers`.
-- Trained tokenizers are cached under `$TIDEPOOL_CACHE/tokenizers/` (default ~/.cache/tidepool):
+- Trained tokenizers (make_model_tokenizer.py) are cached under `$TIDEPOOL_CACHE/tokenizers/` (default
+  ~/.cache/tidepool):
   training the 49152-token vocabulary takes tens of seconds, the cached copy milliseconds.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from .make_model_corpus import CORPUS_VERSION, train_bpe
+from .make_model_tokenizer import cached_tokenizer, write_json, write_tokenizer_files
 
 # (HF tensor name, shape, init kind: "normal" or "norm")
 _TensorSpec = tuple[str, tuple[int, ...], str]
@@ -108,21 +106,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-# Llama-style vocabularies put <s>/</s> at ids 1/2, as Llama checkpoints (and config defaults) do.
-_LLAMA_SPECIAL_TOKENS = ("<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
-_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# transformers 5 rebuilds Qwen2 tokenizers with this regex and NFC (ignoring tokenizer.json's
-# pre-tokenizer), so a qwen2 model must be trained and saved with exactly these to agree with it.
-_QWEN_PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # Progress bars only where writing takes long enough to wonder whether it hangs.
 _PROGRESS_MIN_PARAMS = 50_000_000
 _NORM_NOISE_STD = 0.05  # norms are not all-ones, so an engine that skips their weights is caught
@@ -137,51 +120,14 @@ def _is_qwen_style(arch: str) -> bool:
     return arch == "qwen2"
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TIDEPOOL_CACHE", "~/.cache/tidepool")).expanduser() / "tokenizers"
-
-
 def build_tokenizer(preset_name: str, arch: str, seed: int = 0) -> Tokenizer:
     """The preset's trained tokenizer for `arch` (special tokens and post-processor), cached on disk."""
     _check_choice("preset", preset_name, PRESETS)
     _check_choice("architecture", arch, ARCHITECTURES)
-    preset = PRESETS[preset_name]
-    style = "qwen" if _is_qwen_style(arch) else "llama"
-    special_tokens = _QWEN_SPECIAL_TOKENS if style == "qwen" else _LLAMA_SPECIAL_TOKENS
-    cache_file = _cache_dir() / f"{preset_name}-{style}-v{preset.vocab_size}-c{CORPUS_VERSION}-s{seed}.json"
-    if cache_file.is_file():
-        return Tokenizer.from_file(str(cache_file))
-    pre_tokenizer, normalizer = None, None
-    if style == "qwen":
-        split = pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False)
-        pre_tokenizer = pre_tokenizers.Sequence(
-            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        normalizer = normalizers.NFC()
-    tokenizer = train_bpe(
-        preset.vocab_size,
-        special_tokens,
-        seed,
-        preset.num_corpus_words,
-        preset.num_corpus_sentences,
-        pre_tokenizer=pre_tokenizer,
-        normalizer=normalizer,
+    p = PRESETS[preset_name]
+    return cached_tokenizer(
+        preset_name, p.vocab_size, p.num_corpus_words, p.num_corpus_sentences, _is_qwen_style(arch), seed
     )
-    if style == "qwen":
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    else:
-        bos_id = tokenizer.token_to_id("<s>")
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<s>:0 $A:0", pair="<s>:0 $A:0 <s>:1 $B:1", special_tokens=[("<s>", bos_id)]
-        )
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    # Write-then-rename, so a concurrent make_model never reads a half-written cache entry.
-    with tempfile.NamedTemporaryFile(
-        "w", dir=cache_file.parent, suffix=".tmp", delete=False, encoding="utf-8"
-    ) as handle:
-        handle.write(tokenizer.to_str(pretty=True))
-    os.replace(handle.name, cache_file)
-    return tokenizer
 
 
 def _tensor_specs(arch: str, preset: Preset, tie: bool) -> list[_TensorSpec]:
@@ -277,55 +223,6 @@ def _config(arch: str, preset: Preset, tie: bool, dtype: str, bos_id: int | None
     return dict(sorted(config.items()))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def _write_tokenizer_files(
-    out: Path, tokenizer: Tokenizer, arch: str, preset: Preset
-) -> tuple[int | None, int, list[int]]:
-    """Writes tokenizer files; returns (config bos id, config eos id, generation eos ids)."""
-    qwen = _is_qwen_style(arch)
-    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    specials = _QWEN_SPECIAL_TOKENS if qwen else _LLAMA_SPECIAL_TOKENS
-    ids = {token: tokenizer.token_to_id(token) for token in specials}
-    bos_token, eos_token = (None, "<|im_end|>") if qwen else ("<s>", "</s>")
-    extra = ["<|im_start|>", "<|im_end|>"]
-    added = {
-        str(ids[t]): {
-            "content": t,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for t in specials
-    }
-    tokenizer_config = {
-        "add_bos_token": not qwen,
-        "add_eos_token": False,
-        "added_tokens_decoder": added,
-        "additional_special_tokens": extra,
-        "bos_token": bos_token,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": eos_token,
-        "model_max_length": preset.max_position_embeddings,
-        "pad_token": "<|endoftext|>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": None,
-    }
-    _write_json(out / "tokenizer_config.json", tokenizer_config)
-    special_map = {"additional_special_tokens": extra, "eos_token": eos_token, "pad_token": "<|endoftext|>"}
-    if bos_token is not None:
-        special_map["bos_token"] = bos_token
-    _write_json(out / "special_tokens_map.json", dict(sorted(special_map.items())))
-    if qwen:
-        return ids["<|endoftext|>"], ids["<|im_end|>"], [ids["<|im_end|>"], ids["<|endoftext|>"]]
-    return ids["<s>"], ids["</s>"], [ids["</s>"], ids["<|im_end|>"]]
-
-
 def _write_weights(
     out: Path, specs: list[_TensorSpec], preset: Preset, seed: int, dtype: torch.dtype, num_shards: int
 ) -> None:
@@ -364,7 +261,7 @@ def _write_weights(
             del tensors
     if num_shards > 1:
         index_data = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        _write_json(out / "model.safetensors.index.json", index_data)
+        write_json(out / "model.safetensors.index.json", index_data)
 
 
 def make_model(
@@ -390,13 +287,15 @@ def make_model(
     for stale in [*folder.glob("model*.safetensors"), folder / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     tokenizer = build_tokenizer(preset, arch, seed)
-    bos_id, eos_id, generation_eos_ids = _write_tokenizer_files(folder, tokenizer, arch, spec)
-    _write_json(folder / "config.json", _config(arch, spec, tie, dtype, bos_id, eos_id))
+    bos_id, eos_id, generation_eos_ids = write_tokenizer_files(
+        folder, tokenizer, _is_qwen_style(arch), spec.max_position_embeddings
+    )
+    write_json(folder / "config.json", _config(arch, spec, tie, dtype, bos_id, eos_id))
     generation_config = {
         "bos_token_id": bos_id,
         "eos_token_id": generation_eos_ids,
         "pad_token_id": tokenizer.token_to_id("<|endoftext|>"),
     }
-    _write_json(folder / "generation_config.json", generation_config)
+    write_json(folder / "generation_config.json", generation_config)
     _write_weights(folder, _tensor_specs(arch, spec, tie), spec, seed, _DTYPES[dtype], num_shards)
     return folder

@@ -43,7 +43,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from tidepool.engine.make_model import Preset, _config, _write_tokenizer_files
+from tidepool.engine.make_model import Preset, _config
+from tidepool.engine.make_model_tokenizer import write_tokenizer_files
 
 VOCAB_SIZE = 4096
 SPECIAL_TOKENS = ("<|endoftext|>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -251,7 +252,7 @@ def write_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     preset = preset_for(spec)
-    bos_id, eos_id, generation_eos_ids = _write_tokenizer_files(tmp, tokenizer, "llama", preset)
+    bos_id, eos_id, generation_eos_ids = write_tokenizer_files(tmp, tokenizer, False, preset.max_position_embeddings)
     config = _config("llama", preset, spec.tie_word_embeddings, "float32", bos_id, eos_id)
     config["tidepool_demo"] = demo_info
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
