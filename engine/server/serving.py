@@ -20,15 +20,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..request import check_prompt_token_ids
@@ -37,9 +35,7 @@ from .async_engine import (
     Child,
     EngineDeadError,
     QueueFullError,
-    RequestRejectedError,
     RequestStream,
-    ShutdownError,
 )
 from .checks import check_chat, check_common, check_completion, check_fan_out, message_dict, sampling_params
 from .disagg import attach_kv_transfer, wait_sent
@@ -60,6 +56,7 @@ from .protocol import (
     SamplingRequest,
     Usage,
 )
+from .replies import answering_shutdown, engine_error, error_event, event, finish_error, refusal
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
 
@@ -109,7 +106,7 @@ class Serving:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         logit_bias = check_common(req, self.model_name, self.info.vocab_size)
         check_completion(req)
-        return await _answering_shutdown(self._completions(req, raw, logit_bias))
+        return await answering_shutdown(self._completions(req, raw, logit_bias))
 
     async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         prompts, texts = await self._completion_prompts(req)
@@ -158,8 +155,8 @@ class Serving:
 
     async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return _event(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
-                                             choices=choices, usage=usage))  # fmt: skip
+            return event(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+                                            choices=choices, usage=usage))  # fmt: skip
 
         if req.echo:
             for index in job.index_of.values():
@@ -186,7 +183,7 @@ class Serving:
         if not self.info.tokenizer.has_chat_template:
             raise APIError("this model has no chat template; use /v1/completions", param="messages")
         check_fan_out(1, req.n, self.engine.max_queue_len)
-        return await _answering_shutdown(self._chat(req, raw, logit_bias))
+        return await answering_shutdown(self._chat(req, raw, logit_bias))
 
     async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         messages = [message_dict(m) for m in req.messages]
@@ -222,8 +219,8 @@ class Serving:
         self, job: _Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return _event(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
-                                              choices=choices, usage=usage))  # fmt: skip
+            return event(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
+                                             choices=choices, usage=usage))  # fmt: skip
 
         for index in job.index_of.values():
             yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -256,12 +253,12 @@ class Serving:
                 yield _Delta(job.index_of[rid], comp, comp.text[sent_chars[rid] :], sent_chars[rid], sent_tokens[rid],
                              len(comp.token_ids))  # fmt: skip
                 sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
-                error = _finish_error(out, stream) if out.finished else None
+                error = finish_error(out, stream) if out.finished else None
                 if error is not None:
-                    yield _error_event(error)
+                    yield error_event(error)
                     return
         except Exception as err:  # the engine died, refused the request, or a shutdown ended it
-            yield _error_event(_engine_error(err))
+            yield error_event(engine_error(err))
         finally:
             self._abort_unfinished(stream)
 
@@ -304,11 +301,8 @@ class Serving:
     def _submit(self, job: _Job) -> RequestStream:
         try:
             return self.engine.add(job.children, time.monotonic())
-        except QueueFullError as err:
-            raise APIError(str(err), status_code=429, type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(err.retry_after_s)}) from err  # fmt: skip
-        except EngineDeadError as err:
-            raise APIError(str(err), status_code=503, type="service_unavailable", code="engine_dead") from err
+        except (QueueFullError, EngineDeadError) as err:
+            raise refusal(err) from err
 
     async def _collect(self, job: _Job, stream: RequestStream, raw: Request) -> bool:
         """Wait for every final output (into `job.finals`); False if the client went away (requests aborted).
@@ -318,7 +312,7 @@ class Serving:
             async for out in stream:
                 if out.finished:
                     job.finals[out.request_id] = out
-                    error = _finish_error(out, stream)
+                    error = finish_error(out, stream)
                     if error is not None:
                         raise error
 
@@ -335,7 +329,7 @@ class Serving:
             except APIError:
                 raise
             except Exception as err:
-                raise _engine_error(err) from err
+                raise engine_error(err) from err
             return True
         finally:
             task.cancel()
@@ -360,42 +354,3 @@ class Serving:
     async def _prompt_text(self, job: _Job, prompt_index: int) -> str:
         text = job.prompt_texts[prompt_index]
         return text if text is not None else await self.encoder.decode(job.prompts[prompt_index])
-
-
-async def _answering_shutdown(handler: Awaitable[Response]) -> Response:
-    """Run a request's handler; a shutdown that ends it before it streams becomes its 503."""
-    try:
-        return await handler
-    except ShutdownError as err:
-        raise _engine_error(err) from err
-
-
-def _finish_error(out: RequestOutput, stream: RequestStream) -> APIError | None:
-    """Why a finished engine request is a failure, if it is: the engine failed on it, or a shutdown aborted it."""
-    if out.error is not None:
-        return APIError(f"the engine failed on this request ({out.error}); other requests were not affected",
-                        status_code=500, type="internal_error", code="request_failed")  # fmt: skip
-    if stream.shutdown_error is not None and out.outputs and out.outputs[0].finish_reason == "abort":
-        return _engine_error(stream.shutdown_error)
-    return None
-
-
-def _engine_error(err: BaseException) -> APIError:
-    if isinstance(err, APIError):
-        return err
-    if isinstance(err, ShutdownError):
-        return APIError(str(err), status_code=503, type="service_unavailable", code=err.code)
-    if isinstance(err, EngineDeadError):
-        return APIError(str(err), status_code=500, type="internal_error", code="engine_dead")
-    if isinstance(err, RequestRejectedError):
-        return APIError(str(err), status_code=400)
-    return APIError(f"the engine failed on this request: {err!r}", status_code=500, type="internal_error",
-                    code="request_failed")  # fmt: skip
-
-
-def _error_event(error: APIError) -> str:
-    return f"data: {json.dumps(error.body())}\n\n"
-
-
-def _event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
