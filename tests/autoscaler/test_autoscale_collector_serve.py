@@ -116,8 +116,8 @@ async def _run(servers, model: Path, tmp_path: Path) -> None:
         assert loaded.num_running == len(streams)  # summed over both pods
     client_ttfts = sorted(r["ttft"] for res in results.values() for r in res["requests"] if r["ok"])
     client_p95 = client_ttfts[math.ceil(0.95 * len(client_ttfts)) - 1]
-    # Server-side TTFT excludes the client's HTTP overhead; the histogram can only place it in a bucket.
-    assert 0.0 < snap.ttft_p95_s <= max(client_ttfts) * 2.5 + 0.1, (snap.ttft_p95_s, client_ttfts)
-    assert snap.ttft_p95_s >= min(client_ttfts) * 0.2, (snap.ttft_p95_s, client_p95)
+    # Server-side TTFT excludes the client's HTTP overhead; the histogram can only place it in a bucket. No
+    # lower bound from the client's times: on a fast engine that overhead can be most of what the client sees.
+    assert 0.0 < snap.ttft_p95_s <= max(client_ttfts) * 2.5 + 0.1, (snap.ttft_p95_s, client_ttfts, client_p95)
     client_itls = sorted(x for res in results.values() for r in res["requests"] for x in r["itl"])
     assert snap.itl_p95_s is not None and 0.0 < snap.itl_p95_s <= max(client_itls) * 2.5 + 0.05

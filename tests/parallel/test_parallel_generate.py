@@ -16,7 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.distributed.executor import WorkerFailedError
 from tidepool.engine.distributed.launch import free_port
+from tidepool.engine.step_hooks import BeforeSchedule, StepHook, StepView
 
 pytestmark = pytest.mark.slow
 
@@ -73,6 +73,20 @@ def parallel_llm(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterat
         assert not proc.is_alive(), f"worker {proc.name} outlived close()"
 
 
+class _KillAtStep(StepHook):
+    """SIGKILLs a process before the engine's `step`-th schedule (counted from when it is added)."""
+
+    def __init__(self, step: int, pid: int) -> None:
+        self.step, self.pid, self.num_steps, self.killed = step, pid, 0, False
+
+    def before_schedule(self, view: StepView) -> BeforeSchedule | None:
+        self.num_steps += 1
+        if self.num_steps == self.step:
+            os.kill(self.pid, signal.SIGKILL)
+            self.killed = True
+        return None
+
+
 def _check_same_as_single(llm: LLM, reference: dict[str, Any]) -> None:
     assert _generate(llm) == reference["tokens"]
     logits = llm.engine.runner.prompt_logits(_prompts()[1])  # a scratch-KV pass through every rank
@@ -88,15 +102,19 @@ def test_tp2_matches_single_process_and_a_killed_worker_raises(parallel_llm: LLM
     assert k_cache.shape[2] == 1  # 2 kv heads over 2 ranks: one each
     assert len(parallel_llm.engine.runner.kv_caches) == 2
 
-    # Killed while the engine is stepping (a long generation), so death can land inside a step's collectives.
+    # Killed in the middle of a long generation, at a step the engine reaches whatever the machine's speed
+    # (a timer raced the generation: a fast machine finished first); the next step's collectives meet it.
     worker = parallel_llm.engine.executor._workers.procs[1]
-    killer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL))
+    killer = _KillAtStep(20, worker.pid)
+    parallel_llm.engine.hooks.append(killer)
     long = [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)] * len(PROMPT_LENGTHS)
     start = time.monotonic()
-    killer.start()
-    with pytest.raises(WorkerFailedError, match="rank 1"):
-        parallel_llm.generate(_prompts(), long, use_tqdm=False)
-    assert time.monotonic() - start < 30
+    try:
+        with pytest.raises(WorkerFailedError, match="rank 1"):
+            parallel_llm.generate(_prompts(), long, use_tqdm=False)
+    finally:
+        parallel_llm.engine.hooks.remove(killer)
+    assert killer.killed and time.monotonic() - start < 60
     worker.join(5)
     assert not worker.is_alive()
     with pytest.raises(WorkerFailedError):  # stays failed: no half-working engine

@@ -2,7 +2,8 @@
 and two real `tidepool serve` processes on the tiny model, shared by the real-engine modules.
 
 Each real engine loads torch (5-10 s here), so `engines` is session-scoped and started in parallel.
-Tests that kill one (`engines.b`) restart it on the same port before they end (`engines.restart_b`).
+Tests that kill one (`engines.b`) restart it on the same port before they end (`engines.restart_b`);
+b runs under controlled_serve.py, so a test can hold its requests in flight before it kills it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def servers() -> Iterator[Servers]:
 def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     log_dir = tmp_path_factory.mktemp("router-logs")
     args = ["serve", "--model", str(tiny_model_dir), *ENGINE_FLAGS]
-    fleet = Engines(tiny_model_dir, log_dir, spawn(log_dir, "a", args), spawn(log_dir, "b", args))
+    fleet = Engines(tiny_model_dir, log_dir, spawn(log_dir, "a", args), spawn(log_dir, "b", args, controlled=True))
     try:
         wait_ready(fleet.a, fleet.b)
         yield fleet

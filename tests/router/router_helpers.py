@@ -11,12 +11,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from engine_control import Controllable, launcher
 from router_fake_engine import FakeEngine, ThreadServer
 
 from tidepool.engine.router.app import build_app
@@ -70,12 +72,14 @@ class Servers:
 
 
 @dataclass
-class Proc:
-    """A `tidepool serve` or `tidepool router` subprocess on a loopback port, its output in `log_path`."""
+class Proc(Controllable):
+    """A `tidepool serve` or `tidepool router` subprocess on a loopback port, its output in `log_path`; an engine
+    spawned with a `control_dir` can be paused or held (engine_control.py)."""
 
     proc: subprocess.Popen[bytes]
     port: int
     log_path: Path
+    control_dir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -99,15 +103,18 @@ def _tidepool() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "tidepool.cli"]
 
 
-def spawn(log_dir: Path, name: str, args: list[str], port: int | None = None) -> Proc:
-    """Start `tidepool <args> --host 127.0.0.1 --port PORT` (cwd outside the repo: operator/ must not shadow)."""
+def spawn(log_dir: Path, name: str, args: list[str], port: int | None = None, controlled: bool = False) -> Proc:
+    """Start `tidepool <args> --host 127.0.0.1 --port PORT` (cwd outside the repo: operator/ must not shadow);
+    `controlled`: an engine under controlled_serve.py, with a fresh control folder (no hold of an earlier process)."""
     port = port or free_port()
     log_path = log_dir / f"{name}-{port}.log"
-    cmd = [*_tidepool(), *args, "--host", "127.0.0.1", "--port", str(port)]
+    control_dir = Path(tempfile.mkdtemp(prefix=f"control-{name}-", dir=log_dir)) if controlled else None
+    cmd = [*(_tidepool() if control_dir is None else launcher(control_dir)), *args, "--host", "127.0.0.1",
+           "--port", str(port)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log_path.open("ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=log_dir, env=env)
-    return Proc(proc, port, log_path)
+    return Proc(proc, port, log_path, control_dir)
 
 
 def wait_ready(*procs: Proc, timeout: float = 180.0) -> None:
@@ -147,8 +154,9 @@ class Engines:
     b: Proc
     others: list[Proc] = field(default_factory=list)  # started by tests; stopped at the end
 
-    def serve(self, name: str, *flags: str, port: int | None = None) -> Proc:
-        proc = spawn(self.log_dir, name, ["serve", "--model", str(self.model), *ENGINE_FLAGS, *flags], port)
+    def serve(self, name: str, *flags: str, port: int | None = None, controlled: bool = False) -> Proc:
+        args = ["serve", "--model", str(self.model), *ENGINE_FLAGS, *flags]
+        proc = spawn(self.log_dir, name, args, port, controlled)
         self.others.append(proc)
         return proc
 
@@ -158,6 +166,6 @@ class Engines:
         return proc
 
     def restart_b(self) -> Proc:
-        """A new engine process on b's port (after a test killed b)."""
-        self.b = self.serve("b", port=self.b.port)
+        """A new engine process on b's port (after a test killed b); controllable, as the first."""
+        self.b = self.serve("b", port=self.b.port, controlled=True)
         return self.b

@@ -34,7 +34,9 @@ def pd(engines: Engines) -> Iterator[tuple[Proc, dict[str, Proc], Proc]]:
     decoders = {}
     for name in ("d1", "d2"):
         kv_port = free_port()
-        decoders[f"127.0.0.1:{kv_port}"] = engines.serve(name, "--role", "decode", "--kv-port", str(kv_port), *timeout)
+        decoders[f"127.0.0.1:{kv_port}"] = engines.serve(
+            name, "--role", "decode", "--kv-port", str(kv_port), *timeout, controlled=True
+        )
     flags = ["--prefill-url", prefill.url]
     for addr, proc in decoders.items():
         flags += ["--decode-url", f"{proc.url},kv={addr}"]
@@ -87,18 +89,19 @@ def test_a_killed_decode_replica_never_hangs_requests_and_is_routed_around(
             results[i] = f"error: {err!r}"
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(6)]
-    for thread in threads:
-        thread.start()
-
-    def busiest() -> tuple[str, int]:
-        replicas = httpx.get(f"{router.url}/debug/replicas", timeout=5).json()["decode"]
-        top = max(replicas, key=lambda r: r["inflight"])
-        return top["url"], top["inflight"]
-
-    wait_for(lambda: busiest()[1] >= 2, timeout=90, what="requests in flight on a decode replica")
-    victim_url = busiest()[0]
-    victim = next(proc for proc in decoders.values() if proc.url == victim_url)
-    victim.proc.send_signal(signal.SIGKILL)
+    for proc in decoders.values():  # requests stay in flight on both until one is killed, however fast they decode
+        proc.hold()
+    try:
+        for thread in threads:
+            thread.start()
+        # Six requests on two replicas: one of them ends up holding at least two.
+        wait_for(lambda: max(p.num_held() for p in decoders.values()) >= 2, timeout=90,
+                 what="requests held in flight on a decode replica")  # fmt: skip
+        victim = max(decoders.values(), key=lambda p: p.num_held())
+        victim.proc.send_signal(signal.SIGKILL)
+    finally:
+        for proc in decoders.values():
+            proc.hold(False)
     for thread in threads:
         thread.join(180)
         assert not thread.is_alive(), "a request hung after its decode replica was killed"

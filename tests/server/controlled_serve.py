@@ -5,7 +5,8 @@ command line). Two files in CONTROL_DIR steer every engine step:
 - `pause` exists: the step does nothing (and returns no output), while the engine thread keeps
   taking adds and aborts from its queue. Requests stay in flight, unfinished, for exactly as
   long as the test wants, on a fast or a slow machine.
-- `hold` exists: the engine steps only while a request is waiting or has no output token yet; then
+- `hold` exists: the engine steps only while a request is waiting (or pending in a step hook, as a
+  decode replica's KV hand-off) or has no output token yet; then
   it holds (steps do nothing) with every request running, its KV cache allocated, until the file
   goes; while holding it writes the number of running requests to `holding`. What a scrape sees
   "while loaded" is then certain, not a matter of sampling at the right millisecond.
@@ -52,9 +53,12 @@ def _controlled(control: Path) -> Callable[[LLMEngine], list[RequestOutput]]:
 
 
 def _all_started(engine: LLMEngine) -> bool:
-    """Nothing waiting, and every running request has produced at least one token."""
+    """Nothing waiting (nor pending in a step hook: a decode replica's KV hand-offs), and every running
+    request has produced at least one token."""
     scheduler = engine.scheduler
-    return not scheduler.waiting and all(r.num_output_tokens >= 1 for r in scheduler.running)
+    if scheduler.waiting or any(hook.has_pending() for hook in engine.hooks):
+        return False
+    return all(r.num_output_tokens >= 1 for r in scheduler.running)
 
 
 def _poisoned(control: Path) -> Callable[..., None]:

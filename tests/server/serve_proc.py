@@ -18,56 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from engine_control import Controllable
+from engine_control import launcher as launcher_for
 
 MODEL_NAME = "tiny"
-CONTROLLED = Path(__file__).with_name("controlled_serve.py")
 _START_TIMEOUT_S = 120.0
 
 
 @dataclass
-class Server:
+class Server(Controllable):
     proc: subprocess.Popen[bytes]
     port: int
     log_path: Path
     model: str = MODEL_NAME
     control_dir: Path | None = None
-
-    def pause(self, paused: bool = True) -> None:
-        """Stop (or resume) all engine progress; needs a server started with `control_dir`."""
-        self._control("pause", paused)
-
-    def hold(self, held: bool = True) -> None:
-        """Let the engine run until every request has started generating, then hold it there (or release
-        it); needs a server started with `control_dir`. A new hold first clears the last one's count, which
-        the engine writes only while the `hold` file exists, so `num_held` never reads a previous hold."""
-        if held:
-            assert self.control_dir is not None, "start the server with control_dir to hold it"
-            (self.control_dir / "holding").unlink(missing_ok=True)
-        self._control("hold", held)
-
-    def num_held(self) -> int:
-        """Requests the held engine holds mid-generation (0 when not holding)."""
-        assert self.control_dir is not None
-        text = (self.control_dir / "holding").read_text() if (self.control_dir / "holding").exists() else ""
-        return int(text) if text.strip() else 0
-
-    def _control(self, name: str, on: bool) -> None:
-        assert self.control_dir is not None, f"start the server with control_dir to {name} it"
-        flag = self.control_dir / name
-        if on:
-            flag.touch()
-        else:
-            flag.unlink(missing_ok=True)
-
-    def poison_seed(self, seed: int) -> None:
-        """Make the sampler fail every request with this seed (a per-request fault); needs `control_dir`."""
-        assert self.control_dir is not None, "start the server with control_dir to poison requests"
-        (self.control_dir / "poison").write_text(str(seed))
-
-    def crash_engine(self) -> None:
-        """Make the engine's next step raise (the engine thread dies); needs `control_dir`."""
-        assert self.control_dir is not None, "start the server with control_dir to crash its engine"
-        (self.control_dir / "crash").touch()
 
     @property
     def url(self) -> str:
@@ -120,7 +84,7 @@ def _command() -> list[str]:
 def start_server(model: Path, log_dir: Path, *flags: str, control_dir: Path | None = None) -> Server:
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
-    launcher = _command() if control_dir is None else [sys.executable, str(CONTROLLED), str(control_dir)]
+    launcher = _command() if control_dir is None else launcher_for(control_dir)
     cmd = [*launcher, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL_NAME, *flags]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

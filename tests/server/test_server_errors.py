@@ -211,7 +211,9 @@ def test_health_answers_while_a_10mb_prompt_is_processed(server: Server) -> None
             assert http.get(server.url + "/health").status_code == 200
             latencies.append(time.monotonic() - start)
     sender.join()
-    assert max(latencies) < 1.0, latencies
+    # The stall this guards against was 16 s; 5 s keeps that signal and leaves a busy 2-core machine room for
+    # one scheduling hiccup (its own client is encoding and sending 10 MB meanwhile).
+    assert max(latencies) < 5.0, latencies
     for path in bodies:
         error = _check_shape(results[path])
         assert results[path].status_code == 400 and error["code"] == "context_length_exceeded", error

@@ -200,7 +200,10 @@ def test_non_stream_disconnect_frees_blocks(held: Server) -> None:
     assert _aborted_since(server, before) == 2
 
 
-def test_async_client_abort_frees_blocks(server: Server) -> None:
+def test_async_client_abort_frees_blocks(held: Server) -> None:
+    server = held
+    server.wait_pool_free()
+    before = scrape(server)
     client = openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
 
     async def main() -> None:
@@ -209,10 +212,16 @@ def test_async_client_abort_frees_blocks(server: Server) -> None:
                                                  max_tokens=900, stream=True, extra_body={"ignore_eos": True})
             for i in range(4)
         ]  # fmt: skip
+        _wait_held(server, 4)  # all four generating, none can finish
         for stream in streams:
             async for _ in stream:
                 break
             await stream.close()
 
-    asyncio.run(main())
-    server.wait_pool_free()
+    server.hold()
+    try:
+        asyncio.run(main())
+        server.wait_pool_free()  # still held: only the four aborts can free the blocks
+    finally:
+        server.hold(False)
+    assert _aborted_since(server, before) == 4
