@@ -13,11 +13,10 @@
 // then one horizontal sum; results differ from a BLAS GEMM only by summation order. Threads: the
 // caller passes torch's intra-op count (the library shares torch's OpenMP runtime, see build.py).
 //
-// Above MAX_BATCH input rows (a decode batch of tens of sequences) the same row kernel runs on the
-// inputs MAX_BATCH at a time inside each claimed block of rows: the block (32 x in floats, tens of
-// KB) is read from memory once and from L2 for the later groups, and each group of inputs stays in
-// L1 across the block's rows. Bandwidth stays one read of the weights; the arithmetic grows with
-// the batch, so from some batch up a blocked GEMM wins (where: bench/gemv.py, `linear.py`).
+// Above MAX_BATCH input rows (a decode batch of tens of sequences) the arithmetic is the cost, not the
+// read: each claimed block of rows goes through panel.h's packed-panel kernel (16 rows transposed
+// into a panel, then 6 inputs per pass, no horizontal sums). The block is still read from memory
+// once; from some batch up a library GEMM wins all the same (where: bench/gemv.py, `linear.py`).
 #include <algorithm>
 #include <cstdint>
 
@@ -30,8 +29,8 @@
 namespace tidepool {
 namespace {
 
-// Threads claim BLOCK_ROWS-row blocks; each block is multiplied with the inputs MAX_BATCH at a time
-// (projections.h's weight_rows, which the one-call decode step runs too). w: float32, else w8.
+// Threads claim BLOCK_ROWS-row blocks; each block is multiplied with all the inputs by projections.h's
+// weight_rows (which the one-call decode step runs too). w: float32, else w8.
 void gemv(const float* w, const TpInt8Weight& w8, const float* x, float* y, int64_t batch, int64_t rows, int64_t in,
           int64_t ldx, int64_t ldy, int num_threads) {
   const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;

@@ -1,6 +1,6 @@
 // How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
-// rows and int8 rows (gemv.h's row kernel, inputs MAX_BATCH at a time; int8: the sum times the row's
-// scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a time
+// rows and int8 rows (gemv.h's row kernel up to MAX_BATCH inputs, panel.h's packed panels above; int8:
+// the sum times the row's scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a time
 // from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
 // gemv.cpp's per-call GEMV runs the same weight_rows, so the two paths give the same bits.
 #pragma once
@@ -10,6 +10,7 @@
 
 #include "gemv.h"
 #include "int4_tile.h"
+#include "panel.h"
 
 // Per-output-channel int8 weights: W[o, i] = w[o, i] * scales[o] (w: [rows, in] row-major). w == nullptr: none.
 struct TpInt8Weight {
@@ -59,19 +60,25 @@ void group_rows(const float* w, const TpInt8Weight& w8, const float* bias, const
   }
 }
 
-// The same for `batch` inputs, MAX_BATCH at a time from the first (as gemv.cpp groups them, so every
-// input gets the same sum as there: row_dot's accumulators depend on the group's size). Rows [lo, hi)
-// are few (a block, a head) so that they stay in L2 for the later groups.
+// The same for `batch` inputs. Up to MAX_BATCH: the row kernel, once. Above: panel.h's packed-panel
+// kernel, whose sums do not depend on how the inputs are grouped. gemv.cpp runs this same function,
+// so both paths give every input the same bits. Rows [lo, hi) are few (a block, a head).
 inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
                         int64_t in, int64_t batch, int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
+  if (batch > MAX_BATCH) {
+    if (w != nullptr)
+      panel_rows(w, nullptr, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
+    else
+      panel_rows(w8.w, w8.scales, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
+    return;
+  }
   using GroupFn = void (*)(const float*, const TpInt8Weight&, const float*, const float*, int64_t, int64_t, int64_t,
                            int64_t, float*, int64_t, int64_t);
   constexpr GroupFn GROUPS[MAX_BATCH + 1] = {
       nullptr,        group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
       group_rows<5>,  group_rows<6>, group_rows<7>, group_rows<8>,
   };
-  for (int64_t b = 0; b < batch; b += MAX_BATCH)
-    GROUPS[std::min<int64_t>(MAX_BATCH, batch - b)](w, w8, bias, x + b * ldx, ldx, in, lo, hi, y + b * ldy, ldy, col0);
+  GROUPS[batch](w, w8, bias, x, ldx, in, lo, hi, y, ldy, col0);
 }
 
 // y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims.

@@ -1,10 +1,12 @@
 """The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them; its int8 form
 against the dequantized product, and `Int8Weight`'s choice between it and torch's int8 path.
 
-Random shapes cover every batch of the one-pass kernel (1..8), grouped batches above it (full groups of
-8 and a remainder) up to the largest the op takes, inner sizes that are and are not multiples
-of the vector width and of the unrolled chunk, strided inputs, and the real model's widths; values
-must agree with F.linear to float32 summation-order tolerance.
+Random shapes cover every batch of the one-pass row kernel (1..8) and of the packed-panel kernel above
+it (passes of 6 inputs and every remainder) up to the largest the op takes; row counts that are and
+are not multiples of the 16-row panel and of 8; inner sizes that are and are not multiples of the
+vector width, of the unrolled chunk and of the panel's 1024-column depth; strided inputs, and the real
+model's widths. Values must agree with F.linear to float32 summation-order tolerance, and above 8
+inputs each input's result must not depend on the batch around it.
 """
 
 from __future__ import annotations
@@ -30,18 +32,39 @@ def op() -> cpu_ops.CpuGemv:
     return found
 
 
+# (rows, inner): 1 and 3 rows (one partial panel), 17 and 33 (a full panel plus one row), 64 and 96
+# (whole panels); 2055 columns span three panel depths, the last one 7 wide.
+SHAPES = [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536), (33, 2055)]
+
+
 def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
     tol = 1e-5 * max(1.0, inner**0.5)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("batch", [*range(1, 9), 9, 13, 16, 31, 64, MAX_ROWS])
-@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536)])
+@pytest.mark.parametrize("batch", [*range(1, 9), 9, 10, 11, 12, 13, 14, 16, 31, 64, MAX_ROWS])
+@pytest.mark.parametrize(("rows", "inner"), SHAPES)
 def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
     w = torch.randn(rows, inner, generator=gen)
     x = torch.randn(batch, inner, generator=gen)
     close(op(x, w), F.linear(x, w), inner)
+
+
+@pytest.mark.parametrize(("rows", "inner"), [(17, 31), (96, 576), (33, 2055)])
+def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
+    op: cpu_ops.CpuGemv, rows: int, inner: int
+) -> None:
+    gen = torch.Generator().manual_seed(rows + inner)
+    w = torch.randn(rows, inner, generator=gen)
+    w8, scales = torch.randint(-127, 128, (rows, inner), generator=gen).to(torch.int8), torch.rand(rows) + 0.01
+    x = torch.randn(40, inner, generator=gen)
+    order = torch.randperm(40, generator=gen)
+    for run in (lambda x: op(x, w), lambda x: op.int8(x, w8, scales)):
+        whole = run(x)
+        assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
+        assert torch.equal(run(x[3:12]), whole[3:12])  # 9 inputs: one pass of 6 and one of 3
+        assert torch.equal(run(x[30:40]), whole[30:40])
 
 
 def test_strided_rows_and_bias_through_linear(op: cpu_ops.CpuGemv) -> None:
@@ -133,7 +156,7 @@ def test_torch_path_takes_the_transposed_product(rows: int, monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 31, MAX_ROWS])
-@pytest.mark.parametrize(("rows", "inner"), [(1, 1), (3, 7), (17, 8), (64, 31), (96, 33), (960, 576), (5, 1536)])
+@pytest.mark.parametrize(("rows", "inner"), SHAPES)
 def test_int8_matches_the_dequantized_product(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
     w = torch.randint(-127, 128, (rows, inner), generator=gen).to(torch.int8)
