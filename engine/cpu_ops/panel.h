@@ -1,13 +1,13 @@
-// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for more than MAX_BATCH inputs, from packed panels.
+// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (10) inputs or more, from packed panels.
 //
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
-// where reading the weights is the cost; from 9 inputs on the arithmetic is, and the row kernel ran
+// where reading the weights is the cost; with more inputs the arithmetic is, and the row kernel ran
 // at ~40% of the FMA peak there. Here PANEL (16) weight rows are first transposed into a packed
 // panel [k][16] (float32; int8 rows widened exactly), then each pass multiplies the panel with
 // PANEL_INPUTS (6) inputs: per input column two panel vectors, six broadcasts, twelve independent
 // FMAs into register accumulators, and no horizontal sums at all (the classic 6x16 micro-kernel).
-// Measured on this machine, one thread: 1.2x the row kernel at 9 inputs, 1.4-1.8x at 12-128.
+// Packing costs about half a pass, so the gain grows with the passes (bench/panel_kernel.py).
 //
 // Columns go PANEL_K at a time (a 64 KB panel stays in L2 for every pass over the inputs); the
 // partial sums carry over in a per-thread buffer. So the sum for one (row, input) is always the same
@@ -27,6 +27,9 @@ namespace {
 constexpr int PANEL = 2 * W;           // weight rows per panel: two vectors of accumulators per input
 constexpr int PANEL_INPUTS = 6;        // inputs per pass: 12 accumulators + 2 panel vectors + 1 broadcast
 constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 64 KB
+// Fewest inputs worth packing for (bench/panel_kernel.py, 2 threads, SmolLM2's shapes): at 9 (passes
+// of 5 + 4) the packing eats the gain, 0.80-1.09x the row kernel's 8 + 1; from 10, 1.16-1.48x and more.
+constexpr int64_t PANEL_MIN_INPUTS = 10;
 static_assert(W == 8, "transpose8 is an 8 x 8 transpose");
 
 // Rows of r become columns: r[k][j] <- r[j][k] (unpack, shuffle, then swap 128-bit halves).
@@ -102,9 +105,14 @@ void panel_rows(const T* w, const float* scales, const float* bias, const float*
     for (int64_t k0 = 0; k0 < in; k0 += PANEL_K) {
       const int64_t kc = std::min(PANEL_K, in - k0);
       pack_panel(w, in, r0, nrows, k0, kc, panel.data());
-      for (int64_t b = 0; b < batch; b += PANEL_INPUTS)
-        PASSES[std::min<int64_t>(PANEL_INPUTS, batch - b)](panel.data(), kc, x + b * ldx + k0, ldx,
-                                                           acc.data() + b * PANEL, k0 == 0);
+      // As few passes as 6 a pass allows, their widths as even as possible (16 = 6 + 5 + 5, not 6 + 6 + 4:
+      // a narrow pass has fewer FMAs per panel load).
+      const int64_t passes = (batch + PANEL_INPUTS - 1) / PANEL_INPUTS;
+      for (int64_t p = 0, b = 0; p < passes; ++p) {
+        const int64_t width = batch / passes + (p < batch % passes);
+        PASSES[width](panel.data(), kc, x + b * ldx + k0, ldx, acc.data() + b * PANEL, k0 == 0);
+        b += width;
+      }
     }
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t j = 0; j < nrows; ++j) {

@@ -1,5 +1,5 @@
 // How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
-// rows and int8 rows (gemv.h's row kernel up to MAX_BATCH inputs, panel.h's packed panels above; int8:
+// rows and int8 rows (gemv.h's row kernel below PANEL_MIN_INPUTS inputs, panel.h's packed panels from it; int8:
 // the sum times the row's scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a time
 // from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
 // gemv.cpp's per-call GEMV runs the same weight_rows, so the two paths give the same bits.
@@ -60,12 +60,13 @@ void group_rows(const float* w, const TpInt8Weight& w8, const float* bias, const
   }
 }
 
-// The same for `batch` inputs. Up to MAX_BATCH: the row kernel, once. Above: panel.h's packed-panel
-// kernel, whose sums do not depend on how the inputs are grouped. gemv.cpp runs this same function,
-// so both paths give every input the same bits. Rows [lo, hi) are few (a block, a head).
+// The same for `batch` inputs. From PANEL_MIN_INPUTS: panel.h's packed-panel kernel, whose sums do not
+// depend on how the inputs are grouped. Below: the row kernel on the inputs MAX_BATCH at a time from
+// the first (row_dot's accumulators depend on the group's size). gemv.cpp runs this same function, so
+// both paths give every input the same bits. Rows [lo, hi) are few (a block, a head).
 inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
                         int64_t in, int64_t batch, int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
-  if (batch > MAX_BATCH) {
+  if (batch >= PANEL_MIN_INPUTS) {
     if (w != nullptr)
       panel_rows(w, nullptr, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
     else
@@ -78,7 +79,8 @@ inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bia
       nullptr,        group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>,
       group_rows<5>,  group_rows<6>, group_rows<7>, group_rows<8>,
   };
-  GROUPS[batch](w, w8, bias, x, ldx, in, lo, hi, y, ldy, col0);
+  for (int64_t b = 0; b < batch; b += MAX_BATCH)
+    GROUPS[std::min<int64_t>(MAX_BATCH, batch - b)](w, w8, bias, x + b * ldx, ldx, in, lo, hi, y + b * ldy, ldy, col0);
 }
 
 // y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims.

@@ -1,12 +1,13 @@
 """The compiled small-batch GEMV against F.linear, and `layers.linear`'s choice between them; its int8 form
 against the dequantized product, and `Int8Weight`'s choice between it and torch's int8 path.
 
-Random shapes cover every batch of the one-pass row kernel (1..8) and of the packed-panel kernel above
-it (passes of 6 inputs and every remainder) up to the largest the op takes; row counts that are and
-are not multiples of the 16-row panel and of 8; inner sizes that are and are not multiples of the
-vector width, of the unrolled chunk and of the panel's 1024-column depth; strided inputs, and the real
-model's widths. Values must agree with F.linear to float32 summation-order tolerance, and above 8
-inputs each input's result must not depend on the batch around it.
+Random shapes cover every batch of the one-pass row kernel (1..8), its group of 8 and a remainder (9),
+and the packed-panel kernel from 10 (passes of 5 and 6 inputs, and narrower ones) up to the largest
+the op takes; row counts that are and are not multiples of the 16-row panel and of 8; inner sizes
+that are and are not multiples of the vector width, of the unrolled chunk and of the panel's
+1024-column depth; strided inputs, and the real model's widths. Values must agree with F.linear to
+float32 summation-order tolerance, and from 10 inputs each input's result must not depend on the
+batch around it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
     for run in (lambda x: op(x, w), lambda x: op.int8(x, w8, scales)):
         whole = run(x)
         assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
-        assert torch.equal(run(x[3:12]), whole[3:12])  # 9 inputs: one pass of 6 and one of 3
+        assert torch.equal(run(x[3:13]), whole[3:13])  # the fewest the panel takes: two passes of 5
         assert torch.equal(run(x[30:40]), whole[30:40])
 
 
