@@ -315,6 +315,11 @@ TP_EXPORT int tp_decoder_args_size() { return int(sizeof(TpDecoderArgs)); }
 TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
 TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // a bound on the arguments
 
+// As tp_gemv_set_panel_min_inputs, for this library's projections (benchmarks only).
+TP_EXPORT int64_t tp_decoder_set_panel_min_inputs(int64_t n) {
+  return tidepool::panel_min_inputs().exchange(n < 1 ? 1 : n);
+}
+
 TP_EXPORT int tp_decoder_has_openmp() {
 #ifdef _OPENMP
   return 1;

@@ -176,7 +176,13 @@ class CpuDecoder:
         self._fn = lib.tp_decode_step_f32
         self.max_batch = min(MAX_ROWS, int(lib.tp_decoder_max_batch()))  # the layer-by-layer path's GEMV limit
         self.has_openmp = bool(lib.tp_decoder_has_openmp())
+        lib.tp_decoder_set_panel_min_inputs.restype = ctypes.c_int64
+        lib.tp_decoder_set_panel_min_inputs.argtypes = (ctypes.c_int64,)
         self._lib = lib
+
+    def set_panel_min_inputs(self, n: int) -> int:
+        """Benchmarks only: as `CpuGemv.set_panel_min_inputs`, for the step's projections."""
+        return int(self._lib.tp_decoder_set_panel_min_inputs(n))
 
     def prepare(
         self, shape: DecoderShape, layers: Sequence[dict[str, object]], final_norm: torch.Tensor

@@ -53,6 +53,14 @@ extern "C" {
 
 TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // input rows one call takes
 
+TP_EXPORT int64_t tp_gemv_panel_min_inputs() { return tidepool::PANEL_MIN_INPUTS; }  // the built-in threshold
+
+// Sets the fewest inputs that take the packed-panel kernel (panel.h) and returns the previous value: for
+// benchmarks comparing it with the row kernel in one process (a value above tp_gemv_max_batch: never).
+TP_EXPORT int64_t tp_gemv_set_panel_min_inputs(int64_t n) {
+  return tidepool::panel_min_inputs().exchange(n < 1 ? 1 : n);
+}
+
 TP_EXPORT int tp_gemv_has_openmp() {
 #ifdef _OPENMP
   return 1;

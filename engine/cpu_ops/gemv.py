@@ -43,10 +43,20 @@ class CpuGemv:
         lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
         lib.tp_gemv_i8.restype = ctypes.c_int
         lib.tp_gemv_i8.argtypes = (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
+        lib.tp_gemv_set_panel_min_inputs.restype = _i64
+        lib.tp_gemv_set_panel_min_inputs.argtypes = (_i64,)
         self._fn = lib.tp_gemv_f32
         self._fn_i8 = lib.tp_gemv_i8
+        self._set_panel_min = lib.tp_gemv_set_panel_min_inputs
+        lib.tp_gemv_panel_min_inputs.restype = _i64
+        self.panel_min_inputs = int(lib.tp_gemv_panel_min_inputs())  # inputs from which the panel kernel runs
         self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_batch()))
         self.has_openmp = bool(lib.tp_gemv_has_openmp())
+
+    def set_panel_min_inputs(self, n: int) -> int:
+        """Benchmarks only: the fewest inputs that take the packed-panel kernel (a value above `max_batch`:
+        never, the row kernel only); returns the previous value."""
+        return int(self._set_panel_min(n))
 
     def accepts(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         plain = type(weight) in (torch.Tensor, torch.nn.Parameter)  # not a quantized weight (it answers F.linear)

@@ -1,4 +1,4 @@
-// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (10) inputs or more, from packed panels.
+// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (16) inputs or more, from packed panels.
 //
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -27,9 +28,18 @@ namespace {
 constexpr int PANEL = 2 * W;           // weight rows per panel: two vectors of accumulators per input
 constexpr int PANEL_INPUTS = 6;        // inputs per pass: 12 accumulators + 2 panel vectors + 1 broadcast
 constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 64 KB
-// Fewest inputs worth packing for (bench/panel_kernel.py, 2 threads, SmolLM2's shapes): at 9 (passes
-// of 5 + 4) the packing eats the gain, 0.80-1.09x the row kernel's 8 + 1; from 10, 1.16-1.48x and more.
-constexpr int64_t PANEL_MIN_INPUTS = 10;
+// Fewest inputs worth packing for. With one projection's weights warm in cache (bench/panel_kernel.py,
+// 2 threads, SmolLM2's shapes) the panel wins from 10 inputs (1.13-1.33x; at 9 0.84-1.11x). In the
+// engine's step, whose weights stream from memory, it is even at 10-16 (0.92-1.02x, as noisy as two
+// runs of identical code there) and ahead from 24 (1.09x, 1.26x at 32, 1.39x at 64; decode_batches.py).
+constexpr int64_t PANEL_MIN_INPUTS = 16;
+
+// The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it (tp_gemv_set_panel_min_inputs,
+// tp_decoder_set_panel_min_inputs) to compare the two kernels in one process. One per library.
+inline std::atomic<int64_t>& panel_min_inputs() {
+  static std::atomic<int64_t> value{PANEL_MIN_INPUTS};
+  return value;
+}
 static_assert(W == 8, "transpose8 is an 8 x 8 transpose");
 
 // Rows of r become columns: r[k][j] <- r[j][k] (unpack, shuffle, then swap 128-bit halves).

@@ -66,7 +66,7 @@ void group_rows(const float* w, const TpInt8Weight& w8, const float* bias, const
 // both paths give every input the same bits. Rows [lo, hi) are few (a block, a head).
 inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
                         int64_t in, int64_t batch, int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
-  if (batch >= PANEL_MIN_INPUTS) {
+  if (batch >= panel_min_inputs().load(std::memory_order_relaxed)) {
     if (w != nullptr)
       panel_rows(w, nullptr, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
     else

@@ -130,10 +130,11 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
         monkeypatch.setenv(env, "compiled")
     ran = count_decoder_steps(monkeypatch)
     file = gguf_model(variant, type_name)
-    # Eleven sequences: the int4 tiles take inputs four at a time (steps of 9-11 run three passes per tile), the
-    # int8 rows eight at a time (a group of 8 and a remainder of 1-3).
+    # Seventeen sequences: the int4 tiles take inputs four at a time (steps of 17 run five passes per tile); the
+    # int8 rows go through the packed-panel kernel (16 inputs and more; passes of 6, 6 and 5).
     prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9], [42] * 5, [7, 1, 400, 33]]
     prompts += [[9, 9, 120], [64] * 11, [2, 3, 5, 7, 11, 13], [77], [18, 260, 4, 4]]
+    prompts += [[8, 6, 4], [150] * 7, [21, 22, 23, 24], [5], [310, 12], [99, 98, 97, 96, 95]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     results = []
     for mode in ("compiled", "torch"):
