@@ -1,4 +1,4 @@
-// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (16) inputs or more, from packed panels.
+// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (24) inputs or more, from packed panels.
 //
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
@@ -30,9 +30,10 @@ constexpr int PANEL_INPUTS = 6;        // inputs per pass: 12 accumulators + 2 p
 constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 64 KB
 // Fewest inputs worth packing for. With one projection's weights warm in cache (bench/panel_kernel.py,
 // 2 threads, SmolLM2's shapes) the panel wins from 10 inputs (1.13-1.33x; at 9 0.84-1.11x). In the
-// engine's step, whose weights stream from memory, it is even at 10-16 (0.92-1.02x, as noisy as two
-// runs of identical code there) and ahead from 24 (1.09x, 1.26x at 32, 1.39x at 64; decode_batches.py).
-constexpr int64_t PANEL_MIN_INPUTS = 16;
+// engine's step, whose weights stream from memory (decode_batches.py, medians of two 3-round runs), it
+// is even or behind to 16 (0.92x at 10, 0.93-1.02x at 16) and ahead from 24 (1.07-1.09x; 1.21-1.26x
+// at 32, 1.36-1.39x at 64, 1.32-1.46x at 128).
+constexpr int64_t PANEL_MIN_INPUTS = 24;
 
 // The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it (tp_gemv_set_panel_min_inputs,
 // tp_decoder_set_panel_min_inputs) to compare the two kernels in one process. One per library.

@@ -4,7 +4,7 @@ Engine level, on every model variant of the model-vs-transformers tests plus one
 projection: greedy tokens AND their logprobs are identical, bit for bit, with the step on and off
 (the layers then run with the same compiled ops one call at a time), through continuous batching
 with chunked prefill, sliding windows, batches wider than the row kernel's group of 8 (9-11), batches
-on the packed-panel kernel (16-18), and batches above the op's limit (those steps take the layers).
+on the packed-panel kernel (24-26), and batches above the op's limit (those steps take the layers).
 Model level: the op refuses what it does not take (a step with a prefill, a hooked layer, weights it
 cannot read) and then the layers run; a bad slot is an error that writes nothing.
 """
@@ -64,12 +64,12 @@ def bias_model_dir(tmp_path_factory: pytest.TempPathFactory, hf_model_dir: Calla
     return path
 
 
-def _generate(path: Path, max_num_seqs: int) -> list[tuple[list[int], object]]:
+def _generate(path: Path, max_num_seqs: int, max_tokens: int = 16) -> list[tuple[list[int], object]]:
     rng = random.Random(3)
-    lengths = (1, 2, 9, 17, 40, 63, 130, 5, 3, 70, 11, 4, 25, 8, 33, 2, 6, 90)
+    lengths = (1, 2, 9, 17, 40, 63, 130, 5, 3, 70, 11, 4, 25, 8, 33, 2, 6, 90, 7, 12, 3, 44, 19, 1, 28, 6)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
     llm = LLM(str(path), show_progress=False, max_num_seqs=max_num_seqs, max_num_batched_tokens=48)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -83,24 +83,25 @@ def test_tokens_and_logprobs_identical_with_the_step_on_and_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = bias_model_dir if variant == BIAS_VARIANT else hf_model_dir(variant)
-    # Steps of up to 11 sequences: the row kernel's inputs in a group of 8 and a remainder; of 16-18, the
-    # packed-panel kernel. With the op's limit lowered to 4, the wider steps take the layers and the
-    # narrower ones the op.
-    for max_num_seqs, limit in ((6, decoder.max_batch), (11, decoder.max_batch), (18, decoder.max_batch), (11, 4)):
+    # Steps of up to 11 sequences: the row kernel's inputs in a group of 8 and a remainder; of 24-26, the
+    # packed-panel kernel (32 new tokens each, so that the first are still decoding when the last prompt is
+    # in). With the op's limit lowered to 4, the wider steps take the layers and the narrower ones the op.
+    configs = ((6, decoder.max_batch, 16), (11, decoder.max_batch, 16), (26, decoder.max_batch, 32), (11, 4, 16))
+    for max_num_seqs, limit, max_tokens in configs:
         op = cpu_ops.decoder_op()
         assert op is not None
         op.max_batch = limit
         ran = decoder.counts["ran"]  # type: ignore[attr-defined]
         decoder.counts["widest"] = 0  # type: ignore[attr-defined]
-        got = _generate(path, max_num_seqs)
+        got = _generate(path, max_num_seqs, max_tokens)
         assert decoder.counts["ran"] > ran  # type: ignore[attr-defined]
-        if max_num_seqs == 18:  # steps the packed-panel kernel takes really ran in the op
-            assert decoder.counts["widest"] >= 16, decoder.counts  # type: ignore[attr-defined]
+        if max_num_seqs == 26:  # steps the packed-panel kernel takes really ran in the op
+            assert decoder.counts["widest"] >= 24, decoder.counts  # type: ignore[attr-defined]
         monkeypatch.setenv(cpu_ops.DECODER_MODE_ENV, "torch")
         cpu_ops.reset()
         assert cpu_ops.decoder_op() is None and cpu_ops.fused_op() is not None
         ran = decoder.counts["ran"]  # type: ignore[attr-defined]
-        reference = _generate(path, max_num_seqs)
+        reference = _generate(path, max_num_seqs, max_tokens)
         assert decoder.counts["ran"] == ran  # type: ignore[attr-defined]
         assert got == reference
         monkeypatch.setenv(cpu_ops.DECODER_MODE_ENV, "compiled")

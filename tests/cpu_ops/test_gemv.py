@@ -2,11 +2,11 @@
 against the dequantized product, and `Int8Weight`'s choice between it and torch's int8 path.
 
 Random shapes cover every batch of the one-pass row kernel (1..8), its groups of 8 and a remainder
-(9-15), and the packed-panel kernel from 16 (passes of 5 and 6 inputs, and narrower ones) up to the
-largest the op takes; row counts that are and are not multiples of the 16-row panel and of 8; inner sizes
+(9-23), and the packed-panel kernel from 24 (passes of 6, of 5 and 6, of 4 and 5) up to the largest
+the op takes; row counts that are and are not multiples of the 16-row panel and of 8; inner sizes
 that are and are not multiples of the vector width, of the unrolled chunk and of the panel's
 1024-column depth; strided inputs, and the real model's widths. Values must agree with F.linear to
-float32 summation-order tolerance, and from 16 inputs each input's result must not depend on the
+float32 summation-order tolerance, and from 24 inputs each input's result must not depend on the
 batch around it.
 """
 
@@ -43,7 +43,7 @@ def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("batch", [*range(1, 9), 9, 13, 15, 16, 17, 19, 20, 31, 64, MAX_ROWS])
+@pytest.mark.parametrize("batch", [*range(1, 9), 9, 16, 17, 23, 24, 25, 31, 64, MAX_ROWS])
 @pytest.mark.parametrize(("rows", "inner"), SHAPES)
 def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
@@ -64,21 +64,21 @@ def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
     for run in (lambda x: op(x, w), lambda x: op.int8(x, w8, scales)):
         whole = run(x)
         assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
-        assert torch.equal(run(x[3:19]), whole[3:19])  # the fewest the panel takes: passes of 6, 5 and 5
-        assert torch.equal(run(x[24:40]), whole[24:40])
+        assert torch.equal(run(x[3:27]), whole[3:27])  # the fewest the panel takes: four passes of 6
+        assert torch.equal(run(x[15:40]), whole[15:40])  # 25: passes of 5
 
 
 def test_benchmarks_can_turn_the_panel_kernel_off(op: cpu_ops.CpuGemv) -> None:
     gen = torch.Generator().manual_seed(5)
-    w, x = torch.randn(33, 96, generator=gen), torch.randn(16, 96, generator=gen)
+    w, x = torch.randn(33, 96, generator=gen), torch.randn(32, 96, generator=gen)
     previous = op.set_panel_min_inputs(1 << 30)
     try:
         rows_only = op(x, w)
-        halves = torch.cat([op(x[:8], w), op(x[8:], w)])
+        eights = torch.cat([op(x[i : i + 8], w) for i in range(0, 32, 8)])
     finally:
         assert op.set_panel_min_inputs(previous) == 1 << 30
     assert previous == op.panel_min_inputs
-    assert torch.equal(rows_only, halves)  # the row kernel: inputs in groups of 8 from the first
+    assert torch.equal(rows_only, eights)  # the row kernel: inputs in groups of 8 from the first
     close(op(x, w), rows_only, 96)
 
 

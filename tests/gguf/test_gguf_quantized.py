@@ -130,11 +130,12 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
         monkeypatch.setenv(env, "compiled")
     ran = count_decoder_steps(monkeypatch)
     file = gguf_model(variant, type_name)
-    # Seventeen sequences: the int4 tiles take inputs four at a time (steps of 17 run five passes per tile); the
-    # int8 rows go through the packed-panel kernel (16 inputs and more; passes of 6, 6 and 5).
+    # 25 sequences: the int4 tiles take inputs four at a time (steps of 25 run seven passes per tile); the
+    # int8 rows go through the packed-panel kernel (24 inputs and more; passes of 5).
     prompts = [[5, 17, 99], [3, 250, 8, 8, 41, 7, 7], [11] * 20, [300, 2, 9], [42] * 5, [7, 1, 400, 33]]
     prompts += [[9, 9, 120], [64] * 11, [2, 3, 5, 7, 11, 13], [77], [18, 260, 4, 4]]
     prompts += [[8, 6, 4], [150] * 7, [21, 22, 23, 24], [5], [310, 12], [99, 98, 97, 96, 95]]
+    prompts += [[13, 14], [200] * 9, [31, 41, 59], [6], [444, 4, 44], [12] * 6, [88, 1], [3, 3, 3, 30]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     results = []
     for mode in ("compiled", "torch"):
@@ -150,5 +151,6 @@ def test_quantized_decode_step_is_the_layers_bit_for_bit(
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in out])
         if mode == "compiled":
             assert (ran["ran"] > 0) == step_runs
+            assert ran["widest"] == (len(prompts) if step_runs else 0)  # all of them in one step
     cpu_ops.reset()
     assert results[0] == results[1]
