@@ -1,4 +1,5 @@
-// The wide-batch projection kernel: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (24) inputs or more, from packed panels.
+// The wide-batch projection kernel, from packed panels: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (24)
+// inputs or more.
 //
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
@@ -35,8 +36,8 @@ constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 64 KB
 // at 32, 1.36-1.39x at 64, 1.32-1.46x at 128).
 constexpr int64_t PANEL_MIN_INPUTS = 24;
 
-// The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it (tp_gemv_set_panel_min_inputs,
-// tp_decoder_set_panel_min_inputs) to compare the two kernels in one process. One per library.
+// The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it to compare the two
+// kernels in one process (tp_gemv_set_panel_min_inputs, tp_decoder_set_panel_min_inputs). One per library.
 inline std::atomic<int64_t>& panel_min_inputs() {
   static std::atomic<int64_t> value{PANEL_MIN_INPUTS};
   return value;
@@ -100,7 +101,8 @@ void panel_pass(const float* panel, int64_t kc, const float* x, int64_t ldx, flo
     for (int h = 0; h < 2; ++h) store(acc + b * PANEL + h * W, a[b][h]);
 }
 
-// Rows [lo, hi) times `batch` inputs x [batch, in]: y[b * ldy + o - col0] = (w[o] . x[b]) (* scales[o]) (+ bias[o]).
+// Rows [lo, hi) times `batch` inputs x [batch, in]:
+// y[b * ldy + o - col0] = (w[o] . x[b]) (* scales[o]) (+ bias[o]).
 // T: float, or int8_t with per-row scales.
 template <typename T>
 void panel_rows(const T* w, const float* scales, const float* bias, const float* x, int64_t ldx, int64_t in,

@@ -1,7 +1,8 @@
 // How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
-// rows and int8 rows (gemv.h's row kernel below PANEL_MIN_INPUTS inputs, panel.h's packed panels from it; int8:
-// the sum times the row's scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h) claimed a 16-column tile at a time
-// from inputs each thread prescaled into its own buffer. Each worksharing loop ends at its barrier.
+// rows and int8 rows (gemv.h's row kernel below PANEL_MIN_INPUTS inputs, panel.h's packed panels from
+// there; int8: the sum times the row's scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h)
+// claimed a 16-column tile at a time from inputs each thread prescaled into its own buffer. Each
+// worksharing loop ends at its barrier.
 // gemv.cpp's per-call GEMV runs the same weight_rows, so the two paths give the same bits.
 #pragma once
 
