@@ -2,8 +2,9 @@
 the layers with the compiled GEMV, torch.
 
 - step: the one-call decode step (`engine/cpu_ops/decoder.cpp`) for every batch up to the GEMV's row limit
-  (128): the whole step in one parallel region; projections of 10 or more inputs take the packed-panel
-  kernel (`engine/cpu_ops/panel.h`), fewer the row kernel in groups of 8.
+  (128): the whole step in one parallel region; projections of as many inputs as the library's threshold
+  (`PANEL_MIN_INPUTS`, 24) or more take the packed-panel kernel (`engine/cpu_ops/panel.h`), fewer the
+  row kernel in groups of 8.
 - rows: the same step with the panel kernel turned off (every batch on the row kernel, as before it).
 - layers: the one-call step to 8 sequences only, above it layer by layer: ~10 compiled calls per layer
   from Python, each projection the compiled GEMV (`engine/cpu_ops/gemv.cpp`, the same kernels as step).
@@ -13,8 +14,8 @@ the layers with the compiled GEMV, torch.
 The four are switched round by round through the ops' row limits (`max_batch`) and panel threshold, so
 the machine's noise hits all alike and the order rotates. Per batch size and round: the median step
 time of `--steps` decode steps at `--context-len` tokens of context; a ratio (rows / step, layers /
-step, torch / step) is taken per round, then the median over rounds. Below 10 the step and rows paths
-are the same code, and at 1-8 all four run the one-call step, so those ratios show the noise. Greedy
+step, torch / step) is taken per round, then the median over rounds. Below the threshold the step and
+rows paths are the same code, and at 1-8 all four run the one-call step, so those ratios show the noise. Greedy
 tokens are compared across the four. Writes JSON and a PNG of tokens/s by batch size.
 
     python bench/decode_batches.py --model <SmolLM2 GGUF or folder> [--batches 1,8,9,16,32,64] [--rounds 2]
@@ -86,9 +87,10 @@ def main() -> None:
                      "ratios": ratio, "same_tokens": same_tokens[b], "rounds": steps[b]})  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"decode_batches_{Path(name).stem}"
-    result = {"model": name, "context_len": args.context_len, "steps": args.steps, "rows": rows}
+    result = {"model": name, "context_len": args.context_len, "steps": args.steps,
+              "panel_min_inputs": gemv.panel_min_inputs, "rows": rows}  # fmt: skip
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    plot(rows, name, args.out / f"{stem}.png")
+    plot(rows, name, args.out / f"{stem}.png", gemv.panel_min_inputs)
     for row in rows:
         print(f"bs={row['batch']:3d}: " + "  ".join(f"{k} {row[f'{k}_tok_s']:6.0f} tok/s" for k in paths) + "  "
               + "  ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items())
@@ -96,7 +98,7 @@ def main() -> None:
     print(f"wrote {args.out / stem}.json and .png")
 
 
-def plot(rows: list[dict], name: str, path: Path) -> None:
+def plot(rows: list[dict], name: str, path: Path, panel_from: int) -> None:
     try:
         import matplotlib
 
@@ -107,7 +109,7 @@ def plot(rows: list[dict], name: str, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = {
-        "step": "one-call step (panel kernel from 10)",
+        "step": f"one-call step (panel kernel from {panel_from})",
         "rows": "one-call step, row kernel only",
         "layers": "layer by layer above 8, compiled GEMV",
         "torch": "torch GEMM above 8",
