@@ -8,7 +8,10 @@ depends on how fast the machine decodes. Without one, the process is plain `tide
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 CONTROLLED = Path(__file__).parent / "server" / "controlled_serve.py"
@@ -33,6 +36,22 @@ class Controllable:
         if held:
             (self._dir("hold") / "holding").unlink(missing_ok=True)
         self._control("hold", held)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """`hold()` for the block, released however it ends (a failed assertion included)."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.hold(False)
+
+    def wait_held(self, num: int, timeout: float = 60.0) -> None:
+        """Wait until the held engine holds exactly `num` requests mid-generation."""
+        deadline = time.monotonic() + timeout
+        while self.num_held() != num:
+            assert time.monotonic() < deadline, f"the engine never held {num} running requests"
+            time.sleep(0.05)
 
     def num_held(self) -> int:
         """Requests the held engine holds mid-generation (0 when not holding)."""

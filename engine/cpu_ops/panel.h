@@ -113,14 +113,14 @@ void panel_rows(const T* w, const float* scales, const float* bias, const float*
   thread_local std::vector<float> panel, acc;  // per OpenMP thread; sized once per shape
   panel.resize(PANEL * std::min(in, PANEL_K));
   acc.resize(batch * PANEL);
+  // As few passes as 6 a pass allows, their widths as even as possible (16 = 6 + 5 + 5, not 6 + 6 + 4:
+  // a narrow pass has fewer FMAs per panel load).
+  const int64_t passes = (batch + PANEL_INPUTS - 1) / PANEL_INPUTS;
   for (int64_t r0 = lo; r0 < hi; r0 += PANEL) {
     const int64_t nrows = std::min<int64_t>(PANEL, hi - r0);
     for (int64_t k0 = 0; k0 < in; k0 += PANEL_K) {
       const int64_t kc = std::min(PANEL_K, in - k0);
       pack_panel(w, in, r0, nrows, k0, kc, panel.data());
-      // As few passes as 6 a pass allows, their widths as even as possible (16 = 6 + 5 + 5, not 6 + 6 + 4:
-      // a narrow pass has fewer FMAs per panel load).
-      const int64_t passes = (batch + PANEL_INPUTS - 1) / PANEL_INPUTS;
       for (int64_t p = 0, b = 0; p < passes; ++p) {
         const int64_t width = batch / passes + (p < batch % passes);
         PASSES[width](panel.data(), kc, x + b * ldx + k0, ldx, acc.data() + b * PANEL, k0 == 0);

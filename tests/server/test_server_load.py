@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -83,13 +83,6 @@ def held(serve_controlled: Callable[..., Server]) -> Server:
     return serve_controlled()
 
 
-def _wait_held(server: Server, num: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.num_held() != num:
-        assert time.monotonic() < deadline, f"the engine never held {num} running requests"
-        time.sleep(0.05)
-
-
 def test_metrics_move_with_load(held: Server) -> None:
     server = held
     server.wait_pool_free()
@@ -110,14 +103,11 @@ def test_metrics_move_with_load(held: Server) -> None:
         result["resp"] = httpx.post(server.api + "/completions", json=body, timeout=120).json()
         done.set()
 
-    server.hold()
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    try:
-        _wait_held(server, 1)
+    with server.holding():
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        server.wait_held(1)
         during = scrape(server)
-    finally:
-        server.hold(False)
     assert value(during, names.NUM_REQUESTS_RUNNING) == 1
     assert value(during, names.KV_CACHE_USAGE_PERC) > 0
     thread.join(120)
@@ -163,20 +153,17 @@ def test_stream_disconnect_frees_blocks(held: Server) -> None:
     server.wait_pool_free()
     before = scrape(server)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    server.hold()
-    try:
+    with server.holding():
         with httpx.Client(timeout=60) as client, client.stream("POST", server.api + "/completions", json=body) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()  # kept: a dropped iterator closes the response, which is the disconnect
             assert next(lines).startswith("data: ")  # the first token
-            _wait_held(server, 1)
+            server.wait_held(1)
             kv = server.kv()
             assert kv["num_running"] == 1 and kv["num_free_blocks"] < kv["num_blocks"], kv
         # Leaving the block closes the connection mid-stream; the engine still holds, so only the abort
         # can free the blocks.
         server.wait_pool_free()
-    finally:
-        server.hold(False)
     assert _aborted_since(server, before) == 1
 
 
@@ -185,18 +172,14 @@ def test_non_stream_disconnect_frees_blocks(held: Server) -> None:
     server.wait_pool_free()
     before = scrape(server)
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "n": 2}
-    server.hold()
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    try:
+    with server.holding(), contextlib.closing(conn):
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        _wait_held(server, 2)  # both choices are generating; no answer can have been sent
+        server.wait_held(2)  # both choices are generating; no answer can have been sent
         kv = server.kv()
         assert kv["num_running"] == 2 and kv["num_free_blocks"] < kv["num_blocks"], kv
         conn.close()  # the client goes away before the (non-streamed) answer
         server.wait_pool_free()
-    finally:
-        conn.close()
-        server.hold(False)
     assert _aborted_since(server, before) == 2
 
 
@@ -212,16 +195,13 @@ def test_async_client_abort_frees_blocks(held: Server) -> None:
                                                  max_tokens=900, stream=True, extra_body={"ignore_eos": True})
             for i in range(4)
         ]  # fmt: skip
-        _wait_held(server, 4)  # all four generating, none can finish
+        server.wait_held(4)  # all four generating, none can finish
         for stream in streams:
             async for _ in stream:
                 break
             await stream.close()
 
-    server.hold()
-    try:
+    with server.holding():
         asyncio.run(main())
         server.wait_pool_free()  # still held: only the four aborts can free the blocks
-    finally:
-        server.hold(False)
     assert _aborted_since(server, before) == 4
