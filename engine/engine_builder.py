@@ -2,7 +2,8 @@
 
 Role: `build_engine(config)` does everything `LLMEngine` needs done once — resolve the model
 (catalogue names, GGUF, quantization), load it (or start the tensor/pipeline-parallel workers),
-size the KV cache from memory, and build the scheduler, sampler, model runner and the optional
+size the KV cache from memory, build the scheduler, sampler and model runner, run the runner's
+warm-up step (first-use builds and compiles happen here, not in a request), and build the optional
 features' step hooks from one `HookContext` — and returns it all as `EngineParts`. `LLMEngine`
 then only runs the loop.
 
@@ -94,6 +95,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, runner_config, config.block_size, num_blocks, sampler, rc.device)
     if executor is not None:
         executor.model.bind_kv_caches(runner.kv_caches)
+    runner.warm_up()  # compiled ops and kernels built now, not on the first request
     ctx = HookContext(
         tokenizer=tokenizer,
         model_config=model_config,

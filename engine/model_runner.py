@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -38,7 +39,8 @@ from .models.llama import LlamaForCausalLM
 from .quant.runtime import prepare_for_cpu
 from .request import Request
 from .sampler import Sampler
-from .sched_output import ModelRunnerOutput, SchedulerOutput
+from .sampling_params import SamplingParams
+from .sched_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 CUDA_GRAPHS_ENV = "TIDEPOOL_CUDA_GRAPHS"
@@ -187,6 +189,29 @@ class ModelRunner:
         out.sampled_token_ids = {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}
         out.logprobs = logprobs
         return out
+
+    def warm_up(self) -> None:
+        """One prefill and one decode step of a throwaway greedy request, before the engine says it is ready.
+
+        The first step of each kind is the slow one: compiled CPU ops are built (or loaded from the
+        machine's cache) on first use, a few seconds each on a small machine, and Triton compiles its
+        kernels on first launch. That belongs to startup, not to the first user's request (a new pod
+        would pass its readiness probe and then stall its first requests). Uses the KV cache's first
+        block(s), which the KV manager never hears of (they stay free and outside the prefix map), and
+        zeroes them again after (tensor/pipeline-parallel workers' shards keep finite values there, which
+        no request reads before it writes them). Greedy: no generator is touched.
+        """
+        started = time.monotonic()
+        num_prompt = 2
+        request = Request("warm-up", [0] * num_prompt, SamplingParams(temperature=0.0, max_tokens=2))
+        blocks = list(range(-(-(num_prompt + 1) // self.block_size)))
+        for start, num_new in ((0, num_prompt), (num_prompt, 1)):
+            out = self.execute(SchedulerOutput([ScheduledSeq(request, start, num_new, blocks, needs_sample=True)]))
+            request.output_token_ids.extend(out.new_token_ids(request.request_id))
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[blocks] = 0
+            v_cache[blocks] = 0
+        logger.info("warm-up: one prefill and one decode step in %.1f s", time.monotonic() - started)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -21,7 +21,8 @@ linking torch's own OpenMP runtime so the op shares torch's thread pool and thre
 price: the op is an opaque Python call (not a `torch.library` op), so `torch.compile` graph-breaks
 around it; the engine does not compile the attention call.
 
-Which path runs is decided once per process and op, on first use, and logged in one line:
+Which path runs is decided once per process and op, on first use (the engine's warm-up step,
+`ModelRunner.warm_up`, before it reports ready), and logged in one line:
 
     TIDEPOOL_CPU_ATTENTION=auto      (default) the compiled op; the torch path when it cannot be built
     TIDEPOOL_CPU_ATTENTION=torch     always the torch path (reference, benchmarks, an off-switch)
