@@ -12,6 +12,7 @@ is for an observable state with a generous bound.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -177,9 +178,39 @@ class FinalStatus:
         return None
 
 
+class FollowedLog:
+    """One container's log, followed (`kubectl logs -f`) from its start until the container exits."""
+
+    def __init__(self, cluster, ns: str, pod: str, container: str) -> None:
+        core = client.CoreV1Api(cluster.api_client())
+        self._resp = core.read_namespaced_pod_log(pod, ns, container=container, follow=True, _preload_content=False)
+        self._parts: list[str] = []
+        self.ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for chunk in self._resp.stream(4096):
+                self._parts.append(chunk.decode(errors="replace"))
+        except Exception:  # the connection closed under us (close()): keep what came
+            pass
+        finally:
+            self.ended.set()
+
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    def close(self) -> None:
+        self._resp.release_conn()
+        self._thread.join(timeout=10)
+
+
 def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, served, request):
-    """The request is provably in flight when SIGTERM lands: its engine is frozen after the first
-    streamed chunk and thawed only once the kubelet's SIGTERM is pending in the frozen process."""
+    """The request is in flight when SIGTERM lands: its engine is frozen after the first streamed chunk
+    and thawed only once the kubelet's SIGTERM is pending in the frozen process. The engine's own drain
+    log line proves it (the freeze lands a process start after the first chunk, and the 900 tokens
+    take many times that on any machine: were they done by then, the drain would find none)."""
     ns = served.namespace
     target = scale_to(real_cluster, ns, 2)[0]
     pod_name, ip = target["metadata"]["name"], target["status"]["podIP"]
@@ -188,7 +219,9 @@ def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, 
     cid, pid = container_pid(real_cluster, target)
     final = FinalStatus(real_cluster, ns, pod_name)
     request.addfinalizer(final.close)  # a failed assertion below must not leave the watch running
-    max_tokens = 300
+    log = FollowedLog(real_cluster, ns, pod_name, "engine")
+    request.addfinalizer(log.close)
+    max_tokens = 900  # the served maxModelLen is 1024
     body = {
         "model": NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -220,4 +253,7 @@ def test_scale_down_drains_a_streamed_request_and_the_pod_exits_0(real_cluster, 
     assert reasons == ["length"]
     assert final.deleted.wait(300), f"{pod_name} was never deleted"
     assert final.exit_code() == 0, final.last.status if final.last else None
+    assert log.ended.wait(60), "the engine's log stream did not end with its container"
+    drained = [int(m) for m in re.findall(r"draining: (\d+) in-flight request", log.text())]
+    assert drained and drained[-1] >= 1, f"the drain found no request in flight: {drained}\n{log.text()[-3000:]}"
     assert [p["metadata"]["name"] for p in engine_pods(real_cluster, ns, NAME)] != [pod_name]
