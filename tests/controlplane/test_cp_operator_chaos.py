@@ -189,7 +189,9 @@ def test_operator_killed_at_random_points_converges(control_plane, cp_namespace,
         monkeypatch.setenv("TIDEPOOL_AUTOSCALE_WINDOW", "6")
         # A short Lease: each SIGKILLed leader's Lease must expire before the next start leads (with the
         # default 15 s that is 20 restarts x ~20 s of waiting); HA timing is tested with the defaults.
-        lease = ("--lease-duration-seconds", "4", "--renew-deadline-seconds", "3", "--retry-period-seconds", "1")
+        # The renew deadline still leaves a busy machine's API server 6 s per renewal: a leader that
+        # misses it exits (leader.py), and the run would lose its only operator.
+        lease = ("--lease-duration-seconds", "8", "--renew-deadline-seconds", "6", "--retry-period-seconds", "1")
         op = OperatorProcess(identity.kubeconfig, [ns], tmp_path / "operator.log", extra_args=lease)
         live: dict[str, dict[str, Any]] = {AUTOSCALED: autoscaled_spec()}
         log: list[str] = []
