@@ -34,6 +34,8 @@ Which path runs is decided once per process and op, on first use (the engine's w
     TIDEPOOL_CPU_INT4=auto|torch|compiled   the same for int4 projections (torch: kernels.dispatch)
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
+`TIDEPOOL_CPU_VECTOR_WIDTH=auto|8|16` sets the SIMD width the ops are built with (`vec.h`; auto: 16 floats
+where the CPU has AVX-512, else 8); the log line above says which a library has.
 """
 
 from __future__ import annotations
@@ -146,5 +148,5 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
         return None
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
     action = "built" if built.built_now else "cached"
-    logger.info("%s: compiled op (%s %s; %s)", label, action, built.path, threads)
+    logger.info("%s: compiled op (%s %s; %s; %d-float vectors)", label, action, built.path, threads, built.vector_width)
     return op

@@ -112,7 +112,7 @@ inline void dot_tile(const float* qr, const float* k, int64_t stride, int dim, f
 
 template <int NR>
 inline void dot_rows(const float* qr, const float* k, int64_t stride, int nk, int dim, float* s, const Prefetch& pf) {
-  constexpr int JB = NR <= 2 ? 4 : NR <= 4 ? 2 : 1;  // JB * NR accumulators + JB keys fit 16 registers
+  constexpr int JB = NR <= 2 ? 4 : NR <= 4 ? 2 : 1;  // JB * NR accumulators + JB keys fit 16 registers (32: NR <= 16)
   int j = 0;
   for (; j + JB <= nk; j += JB) {
     pf.rows(j, j + JB);
@@ -122,26 +122,14 @@ inline void dot_rows(const float* qr, const float* k, int64_t stride, int nk, in
   for (; j < nk; ++j) dot_tile<NR, 1>(qr, k + j * stride, stride, dim, s + j * W);
 }
 
+// dot_rows<rows> for 1 <= rows <= W (a narrow tile).
+template <int NR = 1>
 inline void dot_scores(const float* qr, int rows, const float* k, int64_t stride, int nk, int dim, float* s,
                        const Prefetch& pf) {
-  switch (rows) {
-    case 1:
-      return dot_rows<1>(qr, k, stride, nk, dim, s, pf);
-    case 2:
-      return dot_rows<2>(qr, k, stride, nk, dim, s, pf);
-    case 3:
-      return dot_rows<3>(qr, k, stride, nk, dim, s, pf);
-    case 4:
-      return dot_rows<4>(qr, k, stride, nk, dim, s, pf);
-    case 5:
-      return dot_rows<5>(qr, k, stride, nk, dim, s, pf);
-    case 6:
-      return dot_rows<6>(qr, k, stride, nk, dim, s, pf);
-    case 7:
-      return dot_rows<7>(qr, k, stride, nk, dim, s, pf);
-    default:
-      return dot_rows<8>(qr, k, stride, nk, dim, s, pf);
+  if constexpr (NR < W) {
+    if (rows != NR) return dot_scores<NR + 1>(qr, rows, k, stride, nk, dim, s, pf);
   }
+  dot_rows<NR>(qr, k, stride, nk, dim, s, pf);
 }
 
 // Online softmax over one chunk: s becomes exp2(s - m_new); l and m move on; alpha = exp2(m_old - m_new).

@@ -20,10 +20,14 @@ runtime linked. Invariants:
   and the next recipe is: native flags without OpenMP, then portable flags. Delete the log to retry.
 - The compiler is `$CXX` when set (a missing `$CXX` is an error, not a reason to guess another),
   else the first of c++, g++, clang++ on PATH.
+- Vector width (vec.h): 16 floats where the native build targets AVX-512, else 8.
+  `TIDEPOOL_CPU_VECTOR_WIDTH=8|16` forces one (a -D flag, so part of the key); any other value is
+  an error. The library reports what it was built with (`tp_vector_width`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -42,6 +46,8 @@ COMPILE_TIMEOUT_S = 600  # generous: a busy 2-core machine builds in seconds, CI
 # -ffp-contract=fast: a*b+c becomes one FMA (ISO modes turn contraction off); -fvisibility=hidden:
 # only the marked exports leave the library, so the helpers inline and nothing goes through the PLT.
 _BASE_FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-fvisibility=hidden", "-Wall")
+VECTOR_WIDTH_ENV = "TIDEPOOL_CPU_VECTOR_WIDTH"
+VECTOR_WIDTHS = (8, 16)
 _OMP_LIB = re.compile(r"/lib(gomp|iomp5|omp)[^/]*\.so[.0-9]*$")
 
 
@@ -55,6 +61,11 @@ class BuiltLibrary:
     built_now: bool  # False: an earlier build (this or another process) was reused
     has_openmp: bool
     flags: tuple[str, ...]
+
+    @property
+    def vector_width(self) -> int:
+        """Floats per SIMD vector the library was built with (vec.h's W)."""
+        return int(ctypes.CDLL(str(self.path)).tp_vector_width())
 
 
 def cache_root() -> Path:
@@ -149,15 +160,26 @@ class _Recipe:
             return ok
 
 
+def width_flags() -> tuple[str, ...]:
+    """The -D flag for a vector width forced by TIDEPOOL_CPU_VECTOR_WIDTH, or none (vec.h chooses)."""
+    value = os.environ.get(VECTOR_WIDTH_ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return ()
+    if value not in {str(w) for w in VECTOR_WIDTHS}:
+        raise ValueError(f"{VECTOR_WIDTH_ENV}={value!r}: expected auto, 8 or 16 (floats per SIMD vector)")
+    return (f"-DTIDEPOOL_VEC_WIDTH={value}",)
+
+
 def _recipes(cxx: str, sources: tuple[Path, ...], omp: Path | None) -> list[tuple[_Recipe, bool]]:
     """Builds to try in order: tuned for this CPU with torch's OpenMP, then portable and serial."""
-    native = (*_BASE_FLAGS, "-march=native")
+    base = (*_BASE_FLAGS, *width_flags())
+    native = (*base, "-march=native")
     recipes: list[tuple[_Recipe, bool]] = []
     if omp is not None:
         link = (str(omp), f"-Wl,-rpath,{omp.parent}")
         recipes.append((_Recipe(cxx, sources, (*native, "-fopenmp"), link), True))
     recipes.append((_Recipe(cxx, sources, native, ()), False))
-    recipes.append((_Recipe(cxx, sources, _BASE_FLAGS, ()), False))
+    recipes.append((_Recipe(cxx, sources, base, ()), False))
     return recipes
 
 

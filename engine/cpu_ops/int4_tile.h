@@ -25,7 +25,7 @@
 
 #include "vec.h"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -43,8 +43,10 @@ struct TpInt4Weight {
 namespace tidepool {
 namespace {
 
-constexpr int TILE = 16;       // output columns per tile: two vectors, one cache line of a packed row
+constexpr int TILE = 16;       // output columns per tile: one cache line of a packed row
+constexpr int H = TILE / W;    // vectors per tile row: 2 (W = 8) or 1 (W = 16)
 constexpr int MAX_INPUTS = 4;  // inputs per pass over a tile: 2 x 4 accumulators + operands fit AVX2's 16 registers
+static_assert(TILE % W == 0, "a tile row is whole vectors");
 
 typedef uint32_t vu __attribute__((vector_size(W * sizeof(uint32_t))));
 typedef uint16_t vu16 __attribute__((vector_size(W * sizeof(uint16_t))));
@@ -61,7 +63,7 @@ inline vf nibble(vi word, int i) {
 // What x[k] is multiplied by so that its product with nibble(k % 8) is x * q.
 inline float input_scale(int64_t k) { return k % 8 == 7 ? 1.0f : 1.0f / float(1 << (4 * (k % 8))); }
 
-// Eight scales (or offsets) as floats.
+// W scales (or offsets) as floats.
 inline vf load_scales(const float* p) { return load(p); }
 
 inline vf load_scales(const bf16* p) {  // a bfloat16 is the top half of a float32
@@ -77,16 +79,23 @@ inline vf load_scales(const bf16* p) {  // a bfloat16 is the top half of a float
 // With F16C one vcvtph2ps; GCC's generic vector conversion of _Float16 calls a library routine per lane
 // (measured: float16 scales made the whole op 1.6x slower than float32 ones).
 inline vf load_scales(const f16* p) {
+  vf out;
+#if defined(__AVX512F__)
+  if constexpr (W == 16) {
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    std::memcpy(&out, &v, sizeof out);
+    return out;
+  }
+#endif
 #ifdef __F16C__
-  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  vf out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-#else
-  vf out;
+  if constexpr (W == 8) {
+    const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    std::memcpy(&out, &v, sizeof out);
+    return out;
+  }
+#endif
   for (int l = 0; l < W; ++l) out[l] = to_float(p[l]);
   return out;
-#endif
 }
 #endif
 
@@ -99,13 +108,18 @@ inline void prescale(const float* x, int64_t ldx, int64_t batch, int64_t k, int6
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t g = 0; g < groups; ++g) {
       vf s{};
-      for (int64_t j = g * group; j < (g + 1) * group; j += W) {
+      int64_t j = g * group;
+      for (; j + W <= (g + 1) * group; j += W) {  // W is a multiple of 8: lane l is k % 8 == l % 8
         const vf v = load(x + b * ldx + j);
         s += v;
         store(xs + b * k + j, v * scale);
       }
       float total = 0.0f;
       for (int l = 0; l < W; ++l) total += s[l];
+      for (; j < (g + 1) * group; ++j) {  // a group of 8 when W is 16
+        total += x[b * ldx + j];
+        xs[b * k + j] = x[b * ldx + j] * input_scale(j);
+      }
       sums[b * groups + g] = total;
     }
 }
@@ -120,25 +134,28 @@ void tile(const TpInt4Weight& w, int64_t k, const float* xs, const float* sums, 
   const int32_t* q = w.q + t * (k / 8) * TILE;
   const S* scales = static_cast<const S*>(w.scales) + t * groups * TILE;
   const S* offsets = static_cast<const S*>(w.offsets) + t * groups * TILE;
-  vf total[B][2];
-  for (int b = 0; b < B; ++b) total[b][0] = total[b][1] = vf{};
+  vf total[B][H];
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) total[b][h] = vf{};
   for (int64_t g = 0; g < groups; ++g) {
-    vf acc[B][2][P];
+    vf acc[B][H][P];
     for (int b = 0; b < B; ++b)
-      for (int p = 0; p < P; ++p) acc[b][0][p] = acc[b][1][p] = vf{};
+      for (int h = 0; h < H; ++h)
+        for (int p = 0; p < P; ++p) acc[b][h][p] = vf{};
     for (int64_t r = g * rows_per_group; r < (g + 1) * rows_per_group; ++r) {
-      const vi lo = load(q + r * TILE), hi = load(q + r * TILE + W);
+      vi words[H];
+      for (int h = 0; h < H; ++h) words[h] = load(q + r * TILE + h * W);
       const float* x = xs + b0 * k + 8 * r;
       for (int i = 0; i < 8; ++i) {
-        const vf qlo = nibble(lo, i), qhi = nibble(hi, i);
+        vf qv[H];
+        for (int h = 0; h < H; ++h) qv[h] = nibble(words[h], i);
         for (int b = 0; b < B; ++b) {
           const vf xb = splat(x[b * k + i]);
-          acc[b][0][i % P] += xb * qlo;
-          acc[b][1][i % P] += xb * qhi;
+          for (int h = 0; h < H; ++h) acc[b][h][i % P] += xb * qv[h];
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < H; ++h) {
       const vf s = load_scales(scales + g * TILE + h * W), off = load_scales(offsets + g * TILE + h * W);
       const vf c = w.mins ? off : -off * s;
       for (int b = 0; b < B; ++b) {
@@ -150,8 +167,7 @@ void tile(const TpInt4Weight& w, int64_t k, const float* xs, const float* sums, 
   }
   for (int b = 0; b < B; ++b) {
     float out[TILE];
-    store(out, total[b][0]);
-    store(out + W, total[b][1]);
+    for (int h = 0; h < H; ++h) store(out + h * W, total[b][h]);
     std::memcpy(y + (b0 + b) * ldy, out, sizeof(float) * width);
   }
 }

@@ -4,19 +4,21 @@
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
 // where reading the weights is the cost; with more inputs the arithmetic is, and the row kernel ran
-// at ~40% of the FMA peak there. Here PANEL (16) weight rows are first transposed into a packed
-// panel [k][16] (float32; int8 rows widened exactly), then each pass multiplies the panel with
-// PANEL_INPUTS (6) inputs: per input column two panel vectors, six broadcasts, twelve independent
-// FMAs into register accumulators, and no horizontal sums at all (the classic 6x16 micro-kernel).
+// at ~40% of the FMA peak there. Here PANEL (2 W: 16 or 32) weight rows are first transposed into a
+// packed panel [k][PANEL] (float32; int8 rows widened exactly), then each pass multiplies the panel with
+// PANEL_INPUTS (6, or 12 with AVX-512's 32 registers) inputs: per input column two panel vectors, a
+// broadcast per input, two independent FMAs per input into register accumulators, and no horizontal
+// sums at all (the classic 6x16 micro-kernel, 12x32 at W = 16).
 // Packing costs about half a pass, so the gain grows with the passes (bench/panel_kernel.py).
 //
-// Columns go PANEL_K at a time (a 64 KB panel stays in L2 for every pass over the inputs); the
+// Columns go PANEL_K at a time (a 64 KB panel, 128 KB at W = 16, stays in L2 for every pass over the inputs); the
 // partial sums carry over in a per-thread buffer. So the sum for one (row, input) is always the same
 // sequence of FMAs: the same bits whatever the batch, the input's place in it, or the pass's width.
 // int8: the sum times the row's scale, then the bias (as the row kernel and tp_gemv_i8 do).
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <vector>
@@ -27,8 +29,11 @@ namespace tidepool {
 namespace {
 
 constexpr int PANEL = 2 * W;           // weight rows per panel: two vectors of accumulators per input
-constexpr int PANEL_INPUTS = 6;        // inputs per pass: 12 accumulators + 2 panel vectors + 1 broadcast
-constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 64 KB
+// Inputs per pass: 2 * PANEL_INPUTS accumulators + 2 panel vectors + 1 broadcast in the vector registers,
+// 16 with AVX2 (6 inputs: 15), 32 with AVX-512 (12 inputs: 27). At W = 16 twelve measured 1.10-1.18x six
+// (bench/panel_kernel.py's harness, SmolLM2's shapes, 32-128 inputs, 2 threads): half the panel loads per FMA.
+constexpr int PANEL_INPUTS = W == 16 ? 12 : 6;
+constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 4 KB per row
 // Fewest inputs worth packing for. With one projection's weights warm in cache (bench/panel_kernel.py,
 // 2 threads, SmolLM2's shapes) the panel wins from 10 inputs (1.13-1.33x; at 9 0.84-1.11x). In the
 // engine's step, whose weights stream from memory (decode_batches.py, medians of two 3-round runs), it
@@ -42,26 +47,32 @@ inline std::atomic<int64_t>& panel_min_inputs() {
   static std::atomic<int64_t> value{PANEL_MIN_INPUTS};
   return value;
 }
-static_assert(W == 8, "transpose8 is an 8 x 8 transpose");
+// One butterfly stage of a W x W transpose: rows i and i + D (i & D == 0) swap their off-diagonal
+// D x D blocks. Lane c of the new row i is a[c] where c & D == 0, else b[c - D]; of row i + D,
+// a[c + D] where c & D == 0, else b[c].
+template <int D, bool SECOND>
+struct SwapBlocks {
+  static constexpr int at(int c) {
+    if (!SECOND) return (c & D) == 0 ? c : W + c - D;
+    return (c & D) == 0 ? c + D : W + c;
+  }
+};
 
-// Rows of r become columns: r[k][j] <- r[j][k] (unpack, shuffle, then swap 128-bit halves).
-inline void transpose8(vf* r) {
-  vf t[8], s[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = TP_SHUFFLE(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[i + 1] = TP_SHUFFLE(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    s[i] = TP_SHUFFLE(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-    s[i + 1] = TP_SHUFFLE(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-    s[i + 2] = TP_SHUFFLE(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-    s[i + 3] = TP_SHUFFLE(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = TP_SHUFFLE(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    r[i + 4] = TP_SHUFFLE(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+template <int D>
+inline void transpose_stage(vf* r) {
+  if constexpr (D < W) {
+    for (int i = 0; i < W; ++i)
+      if ((i & D) == 0) {
+        const vf a = r[i], b = r[i + D];
+        r[i] = shuffle<SwapBlocks<D, false>>(a, b);
+        r[i + D] = shuffle<SwapBlocks<D, true>>(a, b);
+      }
+    transpose_stage<2 * D>(r);
   }
 }
+
+// Rows of r become columns: r[k][j] <- r[j][k] (log2(W) stages of two-register permutes).
+inline void transpose(vf* r) { transpose_stage<1>(r); }
 
 // panel[k * PANEL + j] = w[r0 + j, k0 + k] for k < kc, j < nrows; 0 for the rows past nrows.
 template <typename T>
@@ -73,7 +84,7 @@ inline void pack_panel(const T* w, int64_t in, int64_t r0, int64_t nrows, int64_
     for (; k + W <= kc; k += W) {
       vf r[W];
       for (int j = 0; j < W; ++j) r[j] = load_weights(src + j * in + k);
-      transpose8(r);
+      transpose(r);
       for (int kk = 0; kk < W; ++kk) store(panel + (k + kk) * PANEL + j0, r[kk]);
     }
     for (; k < kc; ++k)
@@ -83,7 +94,7 @@ inline void pack_panel(const T* w, int64_t in, int64_t r0, int64_t nrows, int64_
     for (int64_t k = 0; k < kc; ++k) panel[k * PANEL + j] = j < nrows ? float(w[(r0 + j) * in + k0 + k]) : 0.0f;
 }
 
-// acc[b][0..16) (+)= panel . x[b] over kc columns for NB inputs (first: start from 0, else from acc).
+// acc[b][0..PANEL) (+)= panel . x[b] over kc columns for NB inputs (first: start from 0, else from acc).
 template <int NB>
 void panel_pass(const float* panel, int64_t kc, const float* x, int64_t ldx, float* acc, bool first) {
   vf a[NB][2];
@@ -101,20 +112,26 @@ void panel_pass(const float* panel, int64_t kc, const float* x, int64_t ldx, flo
     for (int h = 0; h < 2; ++h) store(acc + b * PANEL + h * W, a[b][h]);
 }
 
+using PassFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
+
+// PASSES[n] = panel_pass<n> for 1 <= n <= PANEL_INPUTS (entry 0 unused).
+template <int... N>
+constexpr std::array<PassFn, sizeof...(N)> pass_table(std::integer_sequence<int, N...>) {
+  return {(N == 0 ? nullptr : &panel_pass<N == 0 ? 1 : N>)...};
+}
+
 // Rows [lo, hi) times `batch` inputs x [batch, in]:
 // y[b * ldy + o - col0] = (w[o] . x[b]) (* scales[o]) (+ bias[o]).
 // T: float, or int8_t with per-row scales.
 template <typename T>
 void panel_rows(const T* w, const float* scales, const float* bias, const float* x, int64_t ldx, int64_t in,
                 int64_t batch, int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
-  using PassFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
-  constexpr PassFn PASSES[PANEL_INPUTS + 1] = {nullptr,        panel_pass<1>, panel_pass<2>, panel_pass<3>,
-                                               panel_pass<4>, panel_pass<5>, panel_pass<6>};
+  constexpr auto PASSES = pass_table(std::make_integer_sequence<int, PANEL_INPUTS + 1>{});
   thread_local std::vector<float> panel, acc;  // per OpenMP thread; sized once per shape
   panel.resize(PANEL * std::min(in, PANEL_K));
   acc.resize(batch * PANEL);
-  // As few passes as 6 a pass allows, their widths as even as possible (16 = 6 + 5 + 5, not 6 + 6 + 4:
-  // a narrow pass has fewer FMAs per panel load).
+  // As few passes as PANEL_INPUTS a pass allows, their widths as even as possible (16 = 6 + 5 + 5, not
+  // 6 + 6 + 4: a narrow pass has fewer FMAs per panel load).
   const int64_t passes = (batch + PANEL_INPUTS - 1) / PANEL_INPUTS;
   for (int64_t r0 = lo; r0 < hi; r0 += PANEL) {
     const int64_t nrows = std::min<int64_t>(PANEL, hi - r0);

@@ -1,17 +1,31 @@
 // Portable SIMD helpers and dtype conversions for Tidepool's CPU ops.
 //
-// The vectors are GCC/Clang vector extensions of 8 floats: with -march=native they compile to one
-// AVX/AVX2 (or AVX-512VL) register, to two NEON registers on arm64 and to SSE pairs elsewhere, so
-// the kernels need no intrinsics and no runtime dispatch (the build is keyed on the CPU instead).
-// Loads and stores go through memcpy: any alignment, no strict-aliasing games, one vmovups each.
+// The vectors are GCC/Clang vector extensions of W floats, W = TIDEPOOL_VEC_WIDTH: 16 where the build
+// targets AVX-512 (one zmm register: twice the FMA width of AVX2 on CPUs with full-width units), else 8
+// (one AVX/AVX2 register, two NEON registers on arm64, SSE pairs elsewhere). build.py sets it from
+// TIDEPOOL_CPU_VECTOR_WIDTH when asked (tests build both widths on any CPU: a width the CPU lacks is
+// lowered to narrower instructions, correct but slower). The kernels need no intrinsics and no runtime
+// dispatch (the build is keyed on the CPU and the flags instead); every reduction and shuffle below is
+// written for any power-of-two W. Loads and stores go through memcpy: any alignment, no
+// strict-aliasing games, one vmovups each.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
+
+#ifndef TIDEPOOL_VEC_WIDTH
+#if defined(__AVX512F__)
+#define TIDEPOOL_VEC_WIDTH 16
+#else
+#define TIDEPOOL_VEC_WIDTH 8
+#endif
+#endif
 
 namespace tidepool {
 
-constexpr int W = 8;  // floats per vector
+constexpr int W = TIDEPOOL_VEC_WIDTH;  // floats per vector
+static_assert(W == 8 || W == 16, "TIDEPOOL_VEC_WIDTH is 8 or 16");
 
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
@@ -30,9 +44,16 @@ inline vi load(const int32_t* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Not `vf{} + x`: adding +0.0 is not an identity for -0.0, so the compiler would keep the add.
-inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
-static_assert(W == 8, "splat lists W elements");
+// An initialiser list, not `vf{} + x` (adding +0.0 is not an identity for -0.0, so the compiler would
+// keep the add) nor a loop over lanes (GCC then inserts lane by lane): one broadcast, or an embedded
+// {1toW} broadcast operand of the FMA that uses it.
+inline vf splat(float x) {
+#if TIDEPOOL_VEC_WIDTH == 16
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
+}
 
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 
@@ -42,19 +63,67 @@ inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 #define TP_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
 #endif
 
-// Pairwise sums within each 128-bit half (the AVX `vhaddps` pattern): a0+a1, a2+a3, b0+b1, b2+b3, ...
-inline vf hadd(vf a, vf b) {
-  return TP_SHUFFLE(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + TP_SHUFFLE(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+// shuffle<F>(a, b): lane c of the result is lane F::at(c) of the concatenation a ++ b (constant indices,
+// so each is one permute instruction).
+template <typename F, int... C>
+inline vf shuffle_seq(vf a, vf b, std::integer_sequence<int, C...>) {
+  return TP_SHUFFLE(a, b, F::at(C)...);
 }
 
+template <typename F>
+inline vf shuffle(vf a, vf b) {
+  return shuffle_seq<F>(a, b, std::make_integer_sequence<int, W>{});
+}
+
+// One level of lane_sums: a and b each hold W / G groups of G partial sums; the result holds a's groups
+// then b's, each halved (lanes i and i + G / 2 of a group added), so 2W / G groups of G / 2.
+template <int G, bool UPPER>
+struct HalfGroups {
+  static constexpr int at(int c) {
+    const int half = G / 2, q = c / half, o = c % half, per_input = W / G;
+    const int base = q < per_input ? q * G : W + (q - per_input) * G;
+    return base + o + (UPPER ? half : 0);
+  }
+};
+
+template <int G>
+inline vf half_groups(vf a, vf b) {
+  return shuffle<HalfGroups<G, false>>(a, b) + shuffle<HalfGroups<G, true>>(a, b);
+}
+
+// cur[0 .. COUNT) each hold W / G groups of G partial sums; pairs merge (two permutes and an add per
+// pair) until one vector is left, its groups in the order of the original vectors.
+template <int COUNT, int G>
+inline void merge_vectors(vf* cur) {
+  if constexpr (COUNT > 1) {
+    for (int i = 0; i < COUNT / 2; ++i) cur[i] = half_groups<G>(cur[2 * i], cur[2 * i + 1]);
+    merge_vectors<COUNT / 2, G / 2>(cur);
+  }
+}
+
+// One vector of groups of G partial sums (the groups of zero vectors after it): halve them until each is one lane.
+template <int G>
+inline vf finish_groups(vf x) {
+  if constexpr (G > 1) {
+    return finish_groups<G / 2>(half_groups<G>(x, vf{}));
+  } else {
+    return x;
+  }
+}
+
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
 // Lane g of the result is the sum of all lanes of v[g], for g < N; the other lanes are 0.
+// log2(W) levels of pairwise group sums, no scalar horizontal sum: N vectors (rounded up to a power of
+// two, P) merge into one holding P groups of W / P partial sums, which then halve in place.
 template <int N>
 inline vf lane_sums(const vf* v) {
   static_assert(N >= 1 && N <= W, "one lane per vector");
-  auto at = [&](int g) { return g < N ? v[g] : vf{}; };
-  const vf lo = hadd(hadd(at(0), at(1)), hadd(at(2), at(3)));
-  const vf hi = N > 4 ? hadd(hadd(at(4), at(5)), hadd(at(6), at(7))) : vf{};
-  return TP_SHUFFLE(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + TP_SHUFFLE(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+  constexpr int P = pow2_at_least(N);
+  vf cur[P];
+  for (int g = 0; g < P; ++g) cur[g] = g < N ? v[g] : vf{};
+  merge_vectors<P, W>(cur);
+  return finish_groups<W / P>(cur[0]);
 }
 
 // 2^x for x <= 0 (softmax arguments after subtracting the running max), exact 0 below 2^-126.
@@ -141,3 +210,7 @@ inline f16 from_float<f16>(float x) {
 #endif
 
 }  // namespace tidepool
+
+// The vector width this library was built with (logged by cpu_ops, checked by the tests that build both).
+// Each library is one translation unit, so this one definition per library is the only one.
+extern "C" __attribute__((visibility("default"))) int tp_vector_width() { return tidepool::W; }

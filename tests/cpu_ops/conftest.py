@@ -1,5 +1,9 @@
 """The compiled CPU attention op, required (TIDEPOOL_CPU_ATTENTION=compiled): a machine that runs these
-tests has a C++ compiler (CI does), so a failed build is a failure here, never a skip."""
+tests has a C++ compiler (CI does), so a failed build is a failure here, never a skip.
+
+`vector_width`: the arithmetic tests (`pytestmark = pytest.mark.usefixtures("vector_width")`) run once per
+SIMD width the ops are built with (TIDEPOOL_CPU_VECTOR_WIDTH 8 and 16), whatever this CPU has: a width
+it lacks compiles to narrower instructions, so both code paths are checked on every machine."""
 
 from __future__ import annotations
 
@@ -8,6 +12,15 @@ from collections.abc import Iterator
 import pytest
 
 from tidepool.engine import cpu_ops
+from tidepool.engine.cpu_ops import build
+
+
+@pytest.fixture(params=build.VECTOR_WIDTHS, ids=lambda width: f"w{width}")
+def vector_width(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    monkeypatch.setenv(build.VECTOR_WIDTH_ENV, str(request.param))
+    cpu_ops.reset()  # the ops resolved next are built (or found in the cache) with this width
+    yield request.param
+    cpu_ops.reset()
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@
 - Concurrent processes on a cold cache build the library exactly once and all load it.
 - A failed build is recorded and not retried by every later process.
 - The library shares torch's OpenMP runtime (no second thread pool in the process).
+- TIDEPOOL_CPU_VECTOR_WIDTH forces the SIMD width (a separate cache entry); other values are an error.
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ def test_unknown_mode_is_an_error(fresh: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv(cpu_ops.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="expected one of auto, torch, compiled"):
         cpu_ops.paged_attention_op()
+
+
+def test_vector_width_is_forced_and_reported(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(build.VECTOR_WIDTH_ENV, raising=False)
+    native = build.build_library("fused", "fused.cpp")
+    assert native.vector_width in build.VECTOR_WIDTHS
+    paths = {native.path}
+    for width in build.VECTOR_WIDTHS:
+        monkeypatch.setenv(build.VECTOR_WIDTH_ENV, str(width))
+        built = build.build_library("fused", "fused.cpp")
+        assert built.vector_width == width
+        assert f"-DTIDEPOOL_VEC_WIDTH={width}" in built.flags
+        paths.add(built.path)
+    assert len(paths) == 3  # the default and each forced width are separate cache entries
+
+
+@pytest.mark.parametrize("value", ["4", "32", "wide", "16.0"])
+def test_unknown_vector_width_is_an_error(fresh: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(build.VECTOR_WIDTH_ENV, value)
+    with pytest.raises(ValueError, match=rf"{build.VECTOR_WIDTH_ENV}=.*expected auto, 8 or 16"):
+        cpu_ops.fused_op()
 
 
 def test_failed_build_is_recorded_and_not_retried(

@@ -23,6 +23,8 @@ from model_variants import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams, cpu_ops
 from tidepool.engine.cpu_ops.decoder import DecoderShape
 
+pytestmark = pytest.mark.usefixtures("vector_width")
+
 BIAS_VARIANT = "llama-all-biases"
 
 

@@ -19,7 +19,7 @@ import torch
 from model_variants import HF_VARIANTS
 from tidepool.engine import LLM, SamplingParams, cpu_ops
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.usefixtures("vector_width"), pytest.mark.slow]
 
 
 @pytest.fixture

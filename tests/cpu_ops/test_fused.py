@@ -16,6 +16,8 @@ from tidepool.engine import cpu_ops
 from tidepool.engine.layers import activation, attention_backend, rotary
 from tidepool.engine.layers.norm import RMSNorm
 
+pytestmark = pytest.mark.usefixtures("vector_width")
+
 TOL = {"rtol": 2e-6, "atol": 2e-6}
 
 

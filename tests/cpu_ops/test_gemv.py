@@ -22,7 +22,7 @@ from tidepool.engine.layers import linear as linear_mod
 from tidepool.engine.quant.runtime import Int8Weight
 from tidepool.kernels.dispatch import int8_linear
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.usefixtures("vector_width"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from tidepool.engine.quant.formats import Int4Parts
 from tidepool.engine.quant.runtime import Int4Weight, prepare_for_cpu
 from tidepool.kernels.int4_packing import dequantize_int4, pack_int4
 
+pytestmark = pytest.mark.usefixtures("vector_width")
+
 
 @pytest.fixture(scope="module")
 def op() -> cpu_ops.CpuInt4Gemv:

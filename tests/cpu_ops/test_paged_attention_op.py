@@ -17,6 +17,8 @@ from cpu_op_steps import Step, dense_reference, kernel_view_metadata, random_seq
 from tidepool.engine import cpu_ops
 from tidepool.engine.layers import attention_backend as backend
 
+pytestmark = pytest.mark.usefixtures("vector_width")
+
 HEAD_DIMS = (64, 80, 96, 128)
 
 
