@@ -70,20 +70,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     os.environ.setdefault(cpu_ops.DECODER_MODE_ENV, "torch")  # the calls timed here are the layer-by-layer path's
-    engine = LLM(args.model, show_progress=False, max_model_len=args.context_len + args.steps + 16).engine
+    # Decodes start while later prompts still prefill (2,048-token steps), so the early ones need that many
+    # more tokens to still be running when the timed steps start.
+    max_new = args.steps + 2 + -(-args.batch * args.context_len // 2048) + 2
+    engine = LLM(args.model, show_progress=False, max_model_len=args.context_len + max_new + 16,
+                 max_num_seqs=max(256, args.batch)).engine  # fmt: skip
     if not isinstance(engine.model, llama.LlamaForCausalLM):
         raise SystemExit(f"{args.model}: layer timers know the Llama family only, not {type(engine.model).__name__}")
     instrument(engine.model)
     engine.model.forward = around(engine.model.forward, "whole forward")  # type: ignore[method-assign]
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [3 + (i + j) % 1000 for j in range(args.context_len)], params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running + engine.scheduler.waiting):
         engine.step()
     engine.step()
+    if len(engine.scheduler.running) != args.batch:  # the KV cache held fewer: the steps would time a smaller batch
+        raise SystemExit(f"only {len(engine.scheduler.running)} of {args.batch} sequences of {args.context_len} "
+                         "tokens run at once here (KV cache capacity); lower --batch or --context-len")  # fmt: skip
     totals.clear()
     steps: list[float] = []
-    while engine.has_unfinished_requests():
+    for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - start)
