@@ -44,6 +44,14 @@ inline vi load(const int32_t* p) {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
+// The floats of an intrinsic's register (__m256 for W = 8, __m512 for W = 16) as a vf.
+template <typename Native>
+inline vf from_native(const Native& v) {
+  vf out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+}
+
 // An initialiser list, not `vf{} + x` (adding +0.0 is not an identity for -0.0, so the compiler would
 // keep the add) nor a loop over lanes (GCC then inserts lane by lane): one broadcast, or an embedded
 // {1toW} broadcast operand of the FMA that uses it.
