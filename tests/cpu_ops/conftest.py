@@ -15,11 +15,13 @@ from tidepool.engine import cpu_ops
 from tidepool.engine.cpu_ops import build
 
 
-@pytest.fixture(params=build.VECTOR_WIDTHS, ids=lambda width: f"w{width}")
-def vector_width(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    monkeypatch.setenv(build.VECTOR_WIDTH_ENV, str(request.param))
-    cpu_ops.reset()  # the ops resolved next are built (or found in the cache) with this width
-    yield request.param
+@pytest.fixture(scope="module", params=build.VECTOR_WIDTHS, ids=lambda width: f"w{width}")
+def vector_width(request: pytest.FixtureRequest) -> Iterator[int]:
+    """Module-scoped, so a module's own module-scoped `op` fixture (which takes this one) is built per width too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(build.VECTOR_WIDTH_ENV, str(request.param))
+        cpu_ops.reset()  # the ops resolved next are built (or found in the cache) with this width
+        yield request.param
     cpu_ops.reset()
 
 

@@ -22,7 +22,7 @@ TOL = {"rtol": 2e-6, "atol": 2e-6}
 
 
 @pytest.fixture(scope="module")
-def op() -> cpu_ops.CpuFused:
+def op(vector_width: int) -> cpu_ops.CpuFused:
     found = cpu_ops.fused_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled fused ops are unavailable (the torch path is tested elsewhere)")

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.usefixtures("vector_width"), pytest.mark.filterwarning
 
 
 @pytest.fixture(scope="module")
-def op() -> cpu_ops.CpuGemv:
+def op(vector_width: int) -> cpu_ops.CpuGemv:
     found = cpu_ops.gemv_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled GEMV is unavailable (the torch path is tested elsewhere)")

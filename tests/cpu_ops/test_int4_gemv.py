@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("vector_width")
 
 
 @pytest.fixture(scope="module")
-def op() -> cpu_ops.CpuInt4Gemv:
+def op(vector_width: int) -> cpu_ops.CpuInt4Gemv:
     found = cpu_ops.int4_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled int4 op is unavailable (the torch path is tested elsewhere)")
