@@ -25,9 +25,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import decode_prompts
+from tidepool.engine.cpu_ops import build
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WIDTHS = (8, 16)
+WIDTHS = build.VECTOR_WIDTHS
 
 
 def child(model: str, batches: list[int], context_len: int, steps: int) -> None:
@@ -35,7 +36,6 @@ def child(model: str, batches: list[int], context_len: int, steps: int) -> None:
     from offline_throughput import tidepool_decode_steps
 
     from tidepool.engine import LLM
-    from tidepool.engine.cpu_ops import build
 
     llm = LLM(model, dtype="float32", max_num_seqs=max(batches), show_progress=False, max_num_batched_tokens=2048)
     built = build.build_library("decoder", "decoder.cpp")
@@ -64,7 +64,7 @@ def main() -> int:
     order = list(WIDTHS)
     for round_ in tqdm(range(args.rounds), desc="rounds"):
         for width in order:
-            env = {**os.environ, "TIDEPOOL_CPU_VECTOR_WIDTH": str(width)}
+            env = {**os.environ, build.VECTOR_WIDTH_ENV: str(width)}
             cmd = [sys.executable, __file__, "--model", args.model, "--batches", args.batches, "--child", str(width),
                    "--context-len", str(args.context_len), "--steps", str(args.steps)]  # fmt: skip
             out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
