@@ -41,7 +41,7 @@ def compile_harness() -> Path:
         raise SystemExit("no C++ compiler: the engine runs its torch fallback here, and there is nothing to compare")
     out = cache_dir() / "bench" / "panel_kernel"
     out.parent.mkdir(parents=True, exist_ok=True)
-    flags = [*build._BASE_FLAGS, *build.width_flags(), "-march=native", "-fopenmp"]
+    flags = [*build._BASE_FLAGS, *build.define_flags(), "-march=native", "-fopenmp"]
     cmd = [cxx, *flags, "-I", str(build.SOURCE_DIR), str(HERE / "panel_kernel.cpp"), "-o", str(out)]
     subprocess.run(cmd, check=True)
     return out

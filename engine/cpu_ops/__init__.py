@@ -35,7 +35,8 @@ Which path runs is decided once per process and op, on first use (the engine's w
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 `TIDEPOOL_CPU_VECTOR_WIDTH=auto|8|16` sets the SIMD width the ops are built with (`vec.h`; auto: 16 floats
-where the CPU has AVX-512, else 8); the log line above says which a library has.
+where the CPU has AVX-512, else 8); `TIDEPOOL_CPU_PREFETCH_BYTES=auto|off|<bytes>` how far ahead the
+weight streams prefetch (auto: 2048). The log line above says what a library has.
 """
 
 from __future__ import annotations
@@ -148,5 +149,9 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
         return None
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
     action = "built" if built.built_now else "cached"
-    logger.info("%s: compiled op (%s %s; %s; %d-float vectors)", label, action, built.path, threads, built.vector_width)
+    prefetch = f"prefetch {built.prefetch_bytes} B ahead" if built.prefetch_bytes >= 0 else "no prefetch"
+    logger.info(
+        "%s: compiled op (%s %s; %s; %d-float vectors, %s)", label, action, built.path, threads, built.vector_width,
+        prefetch,
+    )  # fmt: skip
     return op

@@ -23,6 +23,9 @@ runtime linked. Invariants:
 - Vector width (vec.h): 16 floats where the native build targets AVX-512, else 8.
   `TIDEPOOL_CPU_VECTOR_WIDTH=8|16` forces one (a -D flag, so part of the key); any other value is
   an error. The library reports what it was built with (`tp_vector_width`).
+- Prefetch distance (vec.h's `prefetch_ahead`, for the kernels that stream weights): 2048 bytes.
+  `TIDEPOOL_CPU_PREFETCH_BYTES=off|<multiple of 64>` sets another (a -D flag, as above; for
+  benchmarks comparing distances); the library reports it (`tp_prefetch_bytes`, -1 for off).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ COMPILE_TIMEOUT_S = 600  # generous: a busy 2-core machine builds in seconds, CI
 _BASE_FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-fvisibility=hidden", "-Wall")
 VECTOR_WIDTH_ENV = "TIDEPOOL_CPU_VECTOR_WIDTH"
 VECTOR_WIDTHS = (8, 16)
+PREFETCH_ENV = "TIDEPOOL_CPU_PREFETCH_BYTES"
 _OMP_LIB = re.compile(r"/lib(gomp|iomp5|omp)[^/]*\.so[.0-9]*$")
 
 
@@ -66,6 +70,11 @@ class BuiltLibrary:
     def vector_width(self) -> int:
         """Floats per SIMD vector the library was built with (vec.h's W)."""
         return int(ctypes.CDLL(str(self.path)).tp_vector_width())
+
+    @property
+    def prefetch_bytes(self) -> int:
+        """How far ahead the library's weight streams prefetch, in bytes (-1: not at all)."""
+        return int(ctypes.CDLL(str(self.path)).tp_prefetch_bytes())
 
 
 def cache_root() -> Path:
@@ -160,19 +169,28 @@ class _Recipe:
             return ok
 
 
-def width_flags() -> tuple[str, ...]:
-    """The -D flag for a vector width forced by TIDEPOOL_CPU_VECTOR_WIDTH, or none (vec.h chooses)."""
-    value = os.environ.get(VECTOR_WIDTH_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return ()
-    if value not in {str(w) for w in VECTOR_WIDTHS}:
-        raise ValueError(f"{VECTOR_WIDTH_ENV}={value!r}: expected auto, 8 or 16 (floats per SIMD vector)")
-    return (f"-DTIDEPOOL_VEC_WIDTH={value}",)
+def define_flags() -> tuple[str, ...]:
+    """The -D flags for what TIDEPOOL_CPU_VECTOR_WIDTH and TIDEPOOL_CPU_PREFETCH_BYTES force (none for
+    what they leave to vec.h). Raises ValueError naming the variable for a value neither takes."""
+    flags = []
+    width = os.environ.get(VECTOR_WIDTH_ENV, "").strip().lower()
+    if width not in ("", "auto"):
+        if width not in {str(w) for w in VECTOR_WIDTHS}:
+            raise ValueError(f"{VECTOR_WIDTH_ENV}={width!r}: expected auto, 8 or 16 (floats per SIMD vector)")
+        flags.append(f"-DTIDEPOOL_VEC_WIDTH={width}")
+    prefetch = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if prefetch not in ("", "auto"):
+        if prefetch == "off":
+            prefetch = "-1"
+        elif not (prefetch.isdigit() and int(prefetch) % 64 == 0 and int(prefetch) <= 1 << 16):
+            raise ValueError(f"{PREFETCH_ENV}={prefetch!r}: expected auto, off or a multiple of 64 up to 65536 (bytes)")
+        flags.append(f"-DTIDEPOOL_PREFETCH_BYTES={int(prefetch)}")
+    return tuple(flags)
 
 
 def _recipes(cxx: str, sources: tuple[Path, ...], omp: Path | None) -> list[tuple[_Recipe, bool]]:
     """Builds to try in order: tuned for this CPU with torch's OpenMP, then portable and serial."""
-    base = (*_BASE_FLAGS, *width_flags())
+    base = (*_BASE_FLAGS, *define_flags())
     native = (*base, "-march=native")
     recipes: list[tuple[_Recipe, bool]] = []
     if omp is not None:

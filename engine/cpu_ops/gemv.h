@@ -54,11 +54,17 @@ inline vf load_weights(const int8_t* p) {
 template <int B, typename T = float>
 inline void row_dot(const T* w, const float* x, int64_t ldx, int64_t in, float* out) {
   constexpr int U = accumulators<B>();
+  constexpr int CHUNK = U * W * int(sizeof(T));  // bytes of weights one step of the main loop reads
   vf acc[B][U];
   for (int b = 0; b < B; ++b)
     for (int u = 0; u < U; ++u) acc[b][u] = vf{};
   int64_t i = 0;
   for (; i + U * W <= in; i += U * W) {
+    if constexpr (CHUNK >= 64) {
+      for (int c = 0; c < CHUNK; c += 64) prefetch_ahead(reinterpret_cast<const char*>(w + i) + c);
+    } else if ((i * int64_t(sizeof(T))) % 64 == 0) {  // CHUNK divides 64: once per 64 bytes of the row
+      prefetch_ahead(w + i);
+    }
     vf wv[U];
     for (int u = 0; u < U; ++u) wv[u] = load_weights(w + i + u * W);
     for (int b = 0; b < B; ++b)

@@ -135,6 +135,7 @@ void tile(const TpInt4Weight& w, int64_t k, const float* xs, const float* sums, 
       for (int h = 0; h < H; ++h)
         for (int p = 0; p < P; ++p) acc[b][h][p] = vf{};
     for (int64_t r = g * rows_per_group; r < (g + 1) * rows_per_group; ++r) {
+      prefetch_ahead(q + r * TILE);  // a tile row is one 64-byte line
       vi words[H];
       for (int h = 0; h < H; ++h) words[h] = load(q + r * TILE + h * W);
       const float* x = xs + b0 * k + 8 * r;

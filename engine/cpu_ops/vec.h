@@ -22,6 +22,12 @@
 #endif
 #endif
 
+// Bytes ahead of a streaming weight read that the kernels prefetch (-1: none); build.py sets it from
+// TIDEPOOL_CPU_PREFETCH_BYTES when asked. See prefetch_ahead.
+#ifndef TIDEPOOL_PREFETCH_BYTES
+#define TIDEPOOL_PREFETCH_BYTES 2048
+#endif
+
 namespace tidepool {
 
 constexpr int W = TIDEPOOL_VEC_WIDTH;  // floats per vector
@@ -43,6 +49,20 @@ inline vi load(const int32_t* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// A software prefetch of the line PREFETCH_BYTES past p, for the row kernels that stream weights once
+// (gemv.h, int4_tile.h; call it once per 64 bytes read). Rows are short (SmolLM2: 2.3 KB) and threads
+// claim 32-row blocks at unrelated addresses, so the hardware prefetchers keep restarting; with this, on
+// an Intel AVX-512 VM (bench/build_variants.py --variable prefetch; bench/README.md, "Prefetching the
+// weights") a float32 decode step was 1.08x faster at bs=1 and 1.35x at 4 sequences on two threads,
+// 1.20x and 1.28x on one, int4 1.13x and 1.28x. 2 KB: 256 B-1 KB gained less, 4-8 KB no more. A plain
+// streaming sum gains nothing from it, and the packed-panel kernel (compute-bound) neither, so neither
+// has it. It changes no arithmetic, so no result's bits.
+constexpr int PREFETCH_BYTES = TIDEPOOL_PREFETCH_BYTES;
+
+inline void prefetch_ahead(const void* p) {
+  if constexpr (PREFETCH_BYTES >= 0) __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES);
+}
 
 // The floats of an intrinsic's register (__m256 for W = 8, __m512 for W = 16) as a vf.
 template <typename Native>
@@ -219,6 +239,7 @@ inline f16 from_float<f16>(float x) {
 
 }  // namespace tidepool
 
-// The vector width this library was built with (logged by cpu_ops, checked by the tests that build both).
-// Each library is one translation unit, so this one definition per library is the only one.
+// The vector width and prefetch distance this library was built with (logged by cpu_ops, checked by the
+// tests that build several). Each library is one translation unit, so these definitions are the only ones.
 extern "C" __attribute__((visibility("default"))) int tp_vector_width() { return tidepool::W; }
+extern "C" __attribute__((visibility("default"))) int tp_prefetch_bytes() { return tidepool::PREFETCH_BYTES; }

@@ -6,6 +6,8 @@
 - A failed build is recorded and not retried by every later process.
 - The library shares torch's OpenMP runtime (no second thread pool in the process).
 - TIDEPOOL_CPU_VECTOR_WIDTH forces the SIMD width (a separate cache entry); other values are an error.
+- TIDEPOOL_CPU_PREFETCH_BYTES sets the weight streams' prefetch distance (reported by the library, other
+  values an error); prefetching or not, the GEMV (float32, int8) and int4 results are the same bits.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from cpu_op_steps import dense_reference, kernel_view_metadata, random_step
 
 from tidepool.engine import cpu_ops
 from tidepool.engine.cpu_ops import build
+from tidepool.engine.cpu_ops.int4_gemv import tile_weight
 from tidepool.engine.layers import attention_backend as backend
+from tidepool.kernels.int4_packing import pack_int4
 
 LOGGER = "tidepool.engine.cpu_ops"
 
@@ -103,6 +107,52 @@ def test_unknown_vector_width_is_an_error(fresh: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv(build.VECTOR_WIDTH_ENV, value)
     with pytest.raises(ValueError, match=rf"{build.VECTOR_WIDTH_ENV}=.*expected auto, 8 or 16"):
         cpu_ops.fused_op()
+
+
+def _streamed_products() -> list[torch.Tensor]:
+    """The GEMV (float32 and int8 rows) and the int4 op over shapes and batches that run every row kernel
+    (1-8 inputs, groups of 8, the panel kernel from 24), with the library the environment selects now."""
+    gemv = cpu_ops.CpuGemv(build.build_library("gemv", "gemv.cpp").path)
+    int4 = cpu_ops.CpuInt4Gemv(build.build_library("int4_gemv", "int4_gemv.cpp").path)
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for rows, inner in ((37, 100), (96, 576), (200, 1536)):
+        w = torch.randn(rows, inner, generator=gen)
+        w8 = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
+        scales = torch.rand(rows, generator=gen) + 0.01
+        k4 = inner - inner % 32  # int4 groups of 32 along the inputs
+        qweight = pack_int4(torch.randint(0, 16, (k4, rows), generator=gen))
+        group_scales, group_mins = torch.rand(k4 // 32, rows, generator=gen), torch.randn(k4 // 32, rows, generator=gen)
+        tiles = tile_weight(qweight, group_scales, None, 32, group_mins)
+        for batch in (1, 2, 3, 5, 8, 13, 30):
+            x = torch.randn(batch, inner, generator=gen)
+            out += [gemv(x, w), gemv.int8(x, w8, scales), int4(x[:, :k4], tiles)]
+    return out
+
+
+def test_prefetch_distance_changes_no_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.PREFETCH_ENV, "off")
+    assert build.build_library("gemv", "gemv.cpp").prefetch_bytes == -1
+    without = _streamed_products()
+    monkeypatch.delenv(build.PREFETCH_ENV)
+    assert build.build_library("gemv", "gemv.cpp").prefetch_bytes > 0  # on by default
+    with_prefetch = _streamed_products()
+    assert len(without) == len(with_prefetch) == 63
+    for a, b in zip(without, with_prefetch, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_prefetch_distance_is_forced_and_reported(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(build.PREFETCH_ENV, "4096")
+    built = build.build_library("fused", "fused.cpp")
+    assert built.prefetch_bytes == 4096 and "-DTIDEPOOL_PREFETCH_BYTES=4096" in built.flags
+
+
+@pytest.mark.parametrize("value", ["32", "-64", "far", "1e3", "131072"])
+def test_unknown_prefetch_distance_is_an_error(fresh: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(build.PREFETCH_ENV, value)
+    with pytest.raises(ValueError, match=rf"{build.PREFETCH_ENV}=.*expected auto, off or a multiple of 64"):
+        cpu_ops.gemv_op()
 
 
 def test_failed_build_is_recorded_and_not_retried(
