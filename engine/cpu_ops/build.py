@@ -182,7 +182,7 @@ def define_flags() -> tuple[str, ...]:
     if prefetch not in ("", "auto"):
         if prefetch == "off":
             prefetch = "-1"
-        elif not (prefetch.isdigit() and int(prefetch) % 64 == 0 and int(prefetch) <= 1 << 16):
+        elif not (re.fullmatch(r"[0-9]+", prefetch) and int(prefetch) % 64 == 0 and int(prefetch) <= 1 << 16):
             raise ValueError(f"{PREFETCH_ENV}={prefetch!r}: expected auto, off or a multiple of 64 up to 65536 (bytes)")
         flags.append(f"-DTIDEPOOL_PREFETCH_BYTES={int(prefetch)}")
     return tuple(flags)
