@@ -95,7 +95,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, runner_config, config.block_size, num_blocks, sampler, rc.device)
     if executor is not None:
         executor.model.bind_kv_caches(runner.kv_caches)
-    runner.warm_up()  # compiled ops and kernels built now, not on the first request
+    runner.warm_up("target model")  # compiled ops and kernels built now, not on the first request
     ctx = HookContext(
         tokenizer=tokenizer,
         model_config=model_config,

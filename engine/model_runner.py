@@ -190,7 +190,7 @@ class ModelRunner:
         out.logprobs = logprobs
         return out
 
-    def warm_up(self) -> None:
+    def warm_up(self, what: str = "model") -> None:
         """One prefill and one decode step of a throwaway greedy request, before the engine says it is ready.
 
         The first step of each kind is the slow one: compiled CPU ops are built (or loaded from the
@@ -199,7 +199,8 @@ class ModelRunner:
         would pass its readiness probe and then stall its first requests). Uses the KV cache's first
         block(s), which the KV manager never hears of (they stay free and outside the prefix map), and
         zeroes them again after (tensor/pipeline-parallel workers' shards keep finite values there, which
-        no request reads before it writes them). Greedy: no generator is touched.
+        no request reads before it writes them). Greedy: no generator is touched. `what` names the model
+        in the log line (the target, or a speculative draft, whose runner is warmed up the same way).
         """
         started = time.monotonic()
         num_prompt = 2
@@ -211,7 +212,7 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache[blocks] = 0
             v_cache[blocks] = 0
-        logger.info("warm-up: one prefill and one decode step in %.1f s", time.monotonic() - started)
+        logger.info("warm-up (%s): one prefill and one decode step in %.1f s", what, time.monotonic() - started)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
