@@ -23,12 +23,13 @@ import torch
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 # Input rows a call takes. Above 8 the row kernel runs the inputs in groups of 8 over each block of weight
-# rows, and from 24 the packed-panel kernel takes them (gemv.cpp, panel.h): one read of the weights,
-# arithmetic that grows with the rows. Measured in the engine, before the panel kernel,
+# rows, and from 24 (16 with 16-float vectors) the packed-panel kernel takes them (gemv.cpp, panel.h): one
+# read of the weights, arithmetic that grows with the rows. Measured in the engine, before the panel kernel,
 # on SmolLM2 against the torch path it replaces (bench/decode_batches.py; bench/README.md, "Weights in
 # huge pages; decode batches above 8"): decode steps 1.1-1.7x faster at 9-64 sequences, 0.93x at 96,
 # 1.37x at 128; a microbenchmark with the weights cache-hot has MKL ahead from ~192 rows, where
-# prefill-sized products belong to it.
+# prefill-sized products belong to it. With 16-float vectors (an Intel AVX-512 VM) the one-call step at
+# 256 rows measured even with MKL at 160 sequences (one round: 138 vs 137 ms), so the limit stays.
 MAX_ROWS = 128
 
 

@@ -1,5 +1,5 @@
-// The wide-batch projection kernel, from packed panels: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (24)
-// inputs or more.
+// The wide-batch projection kernel, from packed panels: y[b, o] = w[o] . x[b] for PANEL_MIN_INPUTS (24 at
+// W = 8, 16 at W = 16) inputs or more.
 //
 // gemv.h's row kernel takes one weight row against up to 8 inputs and ends each (row, input) with a
 // horizontal sum; every multiply-add needs its own input load. That suits decode at 1-8 sequences,
@@ -38,8 +38,10 @@ constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 4 KB p
 // 2 threads, SmolLM2's shapes) the panel wins from 10 inputs (1.13-1.33x; at 9 0.84-1.11x). In the
 // engine's step, whose weights stream from memory (decode_batches.py, medians of two 3-round runs), it
 // is even or behind to 16 (0.92x at 10, 0.93-1.02x at 16) and ahead from 24 (1.07-1.09x; 1.21-1.26x
-// at 32, 1.36-1.39x at 64, 1.32-1.46x at 128).
-constexpr int64_t PANEL_MIN_INPUTS = 24;
+// at 32, 1.36-1.39x at 64, 1.32-1.46x at 128). Those were 8-float vectors on an AVX2 VM. At W = 16 (an
+// Intel AVX-512 VM, 12 inputs a pass) it is ahead from 16: 0.96x at 14, 1.02-1.05x at 16, 1.05-1.07x at
+// 18, 1.11-1.12x at 20, 1.18-1.19x at 22 (the row kernel takes 17-24 inputs in three groups).
+constexpr int64_t PANEL_MIN_INPUTS = W == 16 ? 16 : 24;
 
 // The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it to compare the two
 // kernels in one process (tp_gemv_set_panel_min_inputs, tp_decoder_set_panel_min_inputs). One per library.

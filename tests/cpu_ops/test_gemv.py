@@ -2,12 +2,12 @@
 against the dequantized product, and `Int8Weight`'s choice between it and torch's int8 path.
 
 Random shapes cover every batch of the one-pass row kernel (1..8), its groups of 8 and a remainder
-(9-23), and the packed-panel kernel from 24 (passes of 6, of 5 and 6, of 4 and 5) up to the largest
-the op takes; row counts that are and are not multiples of the 16-row panel and of 8; inner sizes
-that are and are not multiples of the vector width, of the unrolled chunk and of the panel's
-1024-column depth; strided inputs, and the real model's widths. Values must agree with F.linear to
-float32 summation-order tolerance, and from 24 inputs each input's result must not depend on the
-batch around it.
+(9-23), and the packed-panel kernel from its threshold (24 at 8-float vectors: passes of 6, of 5 and
+6, of 4 and 5; 16 at 16-float vectors: passes of 12, of 8 and 8) up to the largest the op takes; row
+counts that are and are not multiples of the 16-row panel and of 8; inner sizes that are and are not
+multiples of the vector width, of the unrolled chunk and of the panel's 1024-column depth; strided
+inputs, and the real model's widths. Values must agree with F.linear to float32 summation-order
+tolerance, and from the panel's threshold each input's result must not depend on the batch around it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("batch", [*range(1, 9), 9, 16, 17, 23, 24, 25, 31, 64, MAX_ROWS])
+@pytest.mark.parametrize("batch", [*range(1, 9), 9, 15, 16, 17, 23, 24, 25, 31, 64, MAX_ROWS])
 @pytest.mark.parametrize(("rows", "inner"), SHAPES)
 def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
@@ -64,7 +64,8 @@ def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
     for run in (lambda x: op(x, w), lambda x: op.int8(x, w8, scales)):
         whole = run(x)
         assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
-        assert torch.equal(run(x[3:27]), whole[3:27])  # the fewest the panel takes: four passes of 6
+        fewest = op.panel_min_inputs  # the fewest the panel takes (24 at 8-float vectors, 16 at 16)
+        assert torch.equal(run(x[3 : 3 + fewest]), whole[3 : 3 + fewest])
         assert torch.equal(run(x[15:40]), whole[15:40])  # 25: passes of 5
 
 
