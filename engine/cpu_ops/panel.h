@@ -39,8 +39,9 @@ constexpr int64_t PANEL_K = 1024;      // input columns per packed panel: 4 KB p
 // engine's step, whose weights stream from memory (decode_batches.py, medians of two 3-round runs), it
 // is even or behind to 16 (0.92x at 10, 0.93-1.02x at 16) and ahead from 24 (1.07-1.09x; 1.21-1.26x
 // at 32, 1.36-1.39x at 64, 1.32-1.46x at 128). Those were 8-float vectors on an AVX2 VM. At W = 16 (an
-// Intel AVX-512 VM, 12 inputs a pass) it is ahead from 16: 0.96x at 14, 1.02-1.05x at 16, 1.05-1.07x at
-// 18, 1.11-1.12x at 20, 1.18-1.19x at 22 (the row kernel takes 17-24 inputs in three groups).
+// Intel AVX-512 VM, 12 inputs a pass) it is even at 16 and ahead from 18 (decode_batches.py, 3 rounds:
+// 1.01x at 16, 1.08x at 18, 1.17x at 20, 1.19x at 22, 1.14x at 24; the row kernel takes 17-24 inputs in
+// three groups); with the threshold at 12 it was behind at 14 (0.96x, a sweep by hand).
 constexpr int64_t PANEL_MIN_INPUTS = W == 16 ? 16 : 24;
 
 // The threshold weight_rows uses: PANEL_MIN_INPUTS unless a benchmark moved it to compare the two

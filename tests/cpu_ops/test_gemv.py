@@ -66,7 +66,7 @@ def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
         assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
         fewest = op.panel_min_inputs  # the fewest the panel takes (24 at 8-float vectors, 16 at 16)
         assert torch.equal(run(x[3 : 3 + fewest]), whole[3 : 3 + fewest])
-        assert torch.equal(run(x[15:40]), whole[15:40])  # 25: passes of 5
+        assert torch.equal(run(x[15:40]), whole[15:40])  # 25: passes of 5 (of 9, 8 and 8 at 16 floats)
 
 
 def test_benchmarks_can_turn_the_panel_kernel_off(op: cpu_ops.CpuGemv) -> None:
