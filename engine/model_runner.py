@@ -190,7 +190,7 @@ class ModelRunner:
         out.logprobs = logprobs
         return out
 
-    def warm_up(self, what: str = "model") -> None:
+    def warm_up(self, what: str) -> None:
         """One prefill and one decode step of a throwaway greedy request, before the engine says it is ready.
 
         The first step of each kind is the slow one: compiled CPU ops are built (or loaded from the

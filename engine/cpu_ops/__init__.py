@@ -149,7 +149,8 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
         return None
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
     action = "built" if built.built_now else "cached"
-    prefetch = f"prefetch {built.prefetch_bytes} B ahead" if built.prefetch_bytes >= 0 else "no prefetch"
+    ahead = built.prefetch_bytes
+    prefetch = f"prefetch {ahead} B ahead" if ahead >= 0 else "no prefetch"
     logger.info(
         "%s: compiled op (%s %s; %s; %d-float vectors, %s)", label, action, built.path, threads, built.vector_width,
         prefetch,
