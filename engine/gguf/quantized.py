@@ -9,7 +9,8 @@ Modes (`LLM(quantization=...)` on a GGUF file):
   per-channel step). Scales and mins stay in float16, the file's own precision (float32 in the rare
   case an ``8 d`` overflows float16).
 - ``"int8"`` / ``"int4"`` quantize the dequantized projections with Tidepool's round-to-nearest
-  (`engine/quant/quantize.py`), as `quantization=` does for a dense Hugging Face folder.
+  (`engine/quant/quantize.py`), as `quantization=` does for a dense Hugging Face folder (int4: groups
+  of 128, narrower where a projection's inputs need it: `int4_group_size`).
 
 A fused projection (q/k/v, gate/up) is quantized only if every part can be; a part of another
 type (F16, a K-quant) leaves the whole fused weight dense, which is logged. Parts of different
@@ -29,8 +30,7 @@ from tqdm.auto import tqdm
 from ...kernels.int4_packing import pack_int4
 from ..quant.formats import Int4Parts
 from ..quant.load import projection_targets
-from ..quant.prepare import DEFAULT_GROUP_SIZE
-from ..quant.quantize import check_group_size, quantize_int4, quantize_int8
+from ..quant.quantize import DEFAULT_GROUP_SIZE, int4_group_size, quantize_int4, quantize_int8
 from ..quant.runtime import ConcatWeight, Int4Weight, Int8Weight, QuantizedWeight, fuse_int4, fuse_int8, swap_weight
 from .tensors import QK, WeightSource, q4_parts
 
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 MODES = ("gguf", "int8", "int4")
 KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-INT4_GROUP_SIZE = DEFAULT_GROUP_SIZE  # for "int4" at load, as `quantization="int4"` on a folder
 
 Part = Int4Parts | tuple[torch.Tensor, torch.Tensor]
 
@@ -72,9 +71,9 @@ def _part(source: WeightSource, hf: str, mode: str, dtype: torch.dtype) -> Part 
     dense = source.dense(hf, torch.float32)
     if mode == "int8":
         return quantize_int8(dense, scale_dtype=dtype)
-    check_group_size(INT4_GROUP_SIZE, dense.shape[1], hf)
-    qweight, scales, zeros = quantize_int4(dense, INT4_GROUP_SIZE, scale_dtype=dtype)
-    return Int4Parts(qweight, scales, zeros, INT4_GROUP_SIZE)
+    group_size = int4_group_size(dense.shape[1], DEFAULT_GROUP_SIZE, hf)  # as `quantization="int4"` on a folder
+    qweight, scales, zeros = quantize_int4(dense, group_size, scale_dtype=dtype)
+    return Int4Parts(qweight, scales, zeros, group_size)
 
 
 def _fuse(parts: list[Part]) -> QuantizedWeight:

@@ -6,8 +6,10 @@ Role: reads IN (config.json + safetensors), quantizes every decoder projection w
 generation config, chat template) copied unchanged, so ``LLM(model=OUT)`` loads it back.
 
 Invariants: IN is never modified; OUT must not exist or be empty (no mixing with stale shards);
-bad input (unknown method, group size that does not tile a projection, an already quantized
-IN) exits with status 2 and a message saying what to change, before anything is written.
+bad input (unknown method, a `--group-size` that does not tile a projection, an already quantized
+IN) exits with status 2 and a message saying what to change, before anything is written. Without
+`--group-size` int4 groups are 128 wide, narrower where a projection's inputs need it
+(`quantize.int4_group_size`; SmolLM2's 576 -> 96), the rule the loader applies too.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..gguf.detect import is_gguf_file
-from .quantize import METHODS, check_method, quantize_tensors
+from .quantize import DEFAULT_GROUP_SIZE, METHODS, check_method, quantize_tensors
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -42,8 +44,12 @@ def _load_dense(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: int = 128) -> Path:
-    """Quantize the model in `src` into a new folder `dst`; returns `dst`. Raises ValueError on bad input."""
+def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: int | None = None) -> Path:
+    """Quantize the model in `src` into a new folder `dst`; returns `dst`. Raises ValueError on bad input.
+
+    `group_size` None: int4 groups of `DEFAULT_GROUP_SIZE`, narrower where a projection needs it; a
+    size given must divide every projection's inputs.
+    """
     check_method(method)
     src, dst = Path(src), Path(dst)
     config_path = src / "config.json"
@@ -65,7 +71,8 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
         raise ValueError("output folder must differ from the input folder")
     dtype = _DTYPES.get(str(config.get("torch_dtype", "float32")), torch.float32)
     tensors = _load_dense(src)
-    quantized = quantize_tensors(tensors, method, group_size, scale_dtype=dtype)
+    size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    quantized = quantize_tensors(tensors, method, size, scale_dtype=dtype, adapt_group_size=group_size is None)
     dst.mkdir(parents=True, exist_ok=True)
     for item in sorted(src.iterdir()):
         is_weights = item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json"
@@ -75,7 +82,7 @@ def quantize_folder(src: str | Path, dst: str | Path, method: str, group_size: i
         "quant_method": "tidepool",
         "method": method,
         "bits": 8 if method == "int8" else 4,
-        "group_size": group_size if method == "int4" else None,
+        "group_size": size if method == "int4" else None,  # at most: see quantize.int4_group_size
         "zero_point": method == "int4",
         "modules": "decoder projections (q/k/v/o, gate/up/down); embeddings, norms and lm_head dense",
     }
@@ -92,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="tidepool quantize", description="Write a weight-only int8/int4 quantized copy of a model folder."
     )
     parser.add_argument("--method", required=True, choices=METHODS, help="int8: per-channel; int4: group-wise")
-    parser.add_argument("--group-size", type=int, default=128, help="int4 group size along the input (default 128)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"int4 group size along the input; must divide every projection's inputs (default: "
+        f"{DEFAULT_GROUP_SIZE}, or the largest multiple of 8 below it that divides a projection's inputs)",
+    )
     parser.add_argument("input", type=Path, help="dense Hugging Face model folder")
     parser.add_argument("output", type=Path, help="new folder to write (must not exist or be empty)")
     args = parser.parse_args(argv)
@@ -105,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     src_bytes = sum(p.stat().st_size for p in args.input.glob("*.safetensors"))
     dst_bytes = (out / "model.safetensors").stat().st_size
+    groups = f", group size {args.group_size or DEFAULT_GROUP_SIZE}" if args.method == "int4" else ""
     print(
-        f"wrote {out} ({args.method}{f', group size {args.group_size}' if args.method == 'int4' else ''}): "
+        f"wrote {out} ({args.method}{groups}): "
         f"weights {src_bytes / 2**20:.1f} MiB -> {dst_bytes / 2**20:.1f} MiB in {time.perf_counter() - start:.1f}s"
     )
     return 0

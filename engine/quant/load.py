@@ -31,8 +31,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from ...kernels.int4_packing import PACK_FACTOR
 from .formats import Int4Parts, awq_to_int4, gptq_to_int4
-from .quantize import METHODS, is_quantizable
+from .quantize import METHODS, int4_group_size, is_quantizable
 from .runtime import QuantizedWeight, fuse_int4, fuse_int8, swap_weight, weight_bytes
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,10 @@ def _convert(spec: QuantSpec, prefix: str, t: dict[str, torch.Tensor], dtype: to
 
     if spec.kind == "tidepool-int8":
         return need("qweight"), need("scales").to(dtype)
-    if spec.kind == "tidepool-int4":
-        return Int4Parts(need("qweight"), need("scales").to(dtype), need("zeros").to(dtype), group_size)
+    if spec.kind == "tidepool-int4":  # the folder's size, narrower where a projection's inputs need it
+        qweight = need("qweight")
+        size = int4_group_size(qweight.shape[0] * PACK_FACTOR, group_size, prefix)
+        return Int4Parts(qweight, need("scales").to(dtype), need("zeros").to(dtype), size)
     if spec.kind == "gptq":
         return gptq_to_int4(
             prefix,

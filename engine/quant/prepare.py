@@ -21,15 +21,15 @@ from pathlib import Path
 from ..gguf.detect import is_gguf_file
 from .load import read_quant_spec
 from .methods import QUANTIZATION_METHODS
+from .quantize import DEFAULT_GROUP_SIZE
 
 logger = logging.getLogger(__name__)
 
 METHODS = QUANTIZATION_METHODS
-DEFAULT_GROUP_SIZE = 128  # int4 at load, for folders and GGUF files alike
 _KIND = {"int8": "tidepool-int8", "int4": "tidepool-int4", "gptq": "gptq", "awq": "awq"}
 
 
-def prepare_quantized(model: str, quantization: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> str:
+def prepare_quantized(model: str, quantization: str | None) -> str:
     """The folder to load for `model` quantized with `quantization` (None: the model as it is)."""
     if quantization is None:
         return model
@@ -63,13 +63,13 @@ def prepare_quantized(model: str, quantization: str | None, group_size: int = DE
         )
     from .cli import quantize_folder
 
-    out = _cache_dir(folder, quantization, group_size)
+    out = _cache_dir(folder, quantization, DEFAULT_GROUP_SIZE)
     if (out / "config.json").is_file():
         logger.info("using the %s copy of %s cached in %s", quantization, folder, out)
         return str(out)
-    logger.info("quantizing %s to %s (group size %d) into %s", folder, quantization, group_size, out)
+    logger.info("quantizing %s to %s into %s", folder, quantization, out)
     partial = out.with_name(out.name + f".partial-{os.getpid()}")
-    quantize_folder(folder, partial, quantization, group_size)
+    quantize_folder(folder, partial, quantization)  # int4: groups of 128, narrower where a projection needs it
     partial.rename(out)  # atomic: a crash never leaves a half-written folder under the final name
     return str(out)
 

@@ -8,11 +8,13 @@ Hugging Face state dict, under the checkpoint names `tidepool quantize` writes.
 Invariants:
 - int8: symmetric, one scale per output channel: ``w_int8 [N, K]`` in -127..127, ``scales [N]``.
 - int4: asymmetric, one (scale, zero) per group of ``group_size`` input features and output
-  channel, packed with `tidepool.kernels.int4_packing.pack_int4`. The zero is a real number
-  (the layout allows it), so each group's clipped range maps exactly onto 0..15. Each group's
-  clipping range is searched (shrinking min/max by a grid of ratios and keeping the one with
-  the smallest squared reconstruction error, as AWQ's clip search and GPTQ-lite do, but on the
-  weights alone: no calibration data); this recovers most of plain min/max RTN's loss.
+  channel (`int4_group_size`: where the size is a default rather than the user's, a projection whose
+  inputs it does not divide gets the largest multiple of 8 below it that does), packed with
+  `tidepool.kernels.int4_packing.pack_int4`. The zero is a real number (the layout allows it), so
+  each group's clipped range maps exactly onto 0..15. Each group's clipping range is searched
+  (shrinking min/max by a grid of ratios and keeping the one with the smallest squared
+  reconstruction error, as AWQ's clip search and GPTQ-lite do, but on the weights alone: no
+  calibration data); this recovers most of plain min/max RTN's loss.
 - Quantization math runs in float32; scales/zeros are stored in ``scale_dtype``.
 - Only decoder projections are quantized (`is_quantizable`); embeddings, norms, the LM head and
   biases stay as they are, as in published GPTQ/AWQ checkpoints.
@@ -30,6 +32,7 @@ from ...kernels.int4_packing import PACK_FACTOR, pack_int4
 METHODS = ("int8", "int4")
 INT4_MAX = 15
 INT8_MAX = 127
+DEFAULT_GROUP_SIZE = 128  # int4 at load (folders and GGUF files) and `tidepool quantize` without --group-size
 # Shrink ratios tried for each int4 group's [min, max]; 1.0 (plain min/max) is always a candidate.
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(13))  # 1.0 .. 0.7
 _PROGRESS_MIN_TENSORS = 64  # a bar only where quantizing takes long enough to wonder
@@ -53,12 +56,26 @@ def check_group_size(group_size: int, in_features: int, name: str = "weight") ->
     if in_features % group_size:
         raise ValueError(
             f"group size {group_size} does not divide {name}'s {in_features} input features; "
-            f"pick a group size that divides it (e.g. {_largest_divisor(in_features, group_size)})"
+            f"pick a group size that divides it (e.g. {int4_group_size(in_features, group_size, name)})"
         )
 
 
-def _largest_divisor(k: int, at_most: int) -> int:
-    return next((g for g in range(min(at_most, k), 0, -PACK_FACTOR) if k % g == 0 and g % PACK_FACTOR == 0), k)
+def int4_group_size(in_features: int, at_most: int, name: str = "weight") -> int:
+    """The int4 group size of a projection with `in_features` inputs when the asked size is `at_most`.
+
+    `at_most` itself where it divides the inputs, else the largest multiple of 8 below it that does
+    (SmolLM2's 576 inputs at 128 -> 96; 1536 -> 128). Quantizing at load and loading a Tidepool int4
+    folder both use this rule, so a folder records one group size and each projection's follows from
+    its shape. Raises ValueError where no group fits: int4 packs 8 inputs per int32.
+    """
+    if at_most <= 0 or at_most % PACK_FACTOR:
+        raise ValueError(f"group size must be a positive multiple of {PACK_FACTOR}, got {at_most}")
+    if in_features <= 0 or in_features % PACK_FACTOR:
+        raise ValueError(
+            f"{name} has {in_features} input features, not a multiple of {PACK_FACTOR}: int4 packs "
+            f"{PACK_FACTOR} inputs per int32, so this model cannot be int4; use int8"
+        )
+    return next(g for g in range(at_most, 0, -PACK_FACTOR) if in_features % g == 0)
 
 
 def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,21 +122,34 @@ def quantize_int4(
 
 
 def quantize_tensors(
-    tensors: dict[str, torch.Tensor], method: str, group_size: int = 128, scale_dtype: torch.dtype | None = None
+    tensors: dict[str, torch.Tensor],
+    method: str,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    scale_dtype: torch.dtype | None = None,
+    *,
+    adapt_group_size: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder projection of a Hugging Face state dict; other tensors pass through.
 
     A projection ``P.weight`` becomes ``P.qweight`` + ``P.scales`` (int8: ``qweight`` is the
     ``[N, K]`` int8 weight, ``scales`` ``[N]``) or ``P.qweight`` + ``P.scales`` + ``P.zeros``
-    (int4, in the `int4_packing` layout).
+    (int4, in the `int4_packing` layout). int4 groups are `group_size` wide, which must divide every
+    projection's inputs; with `adapt_group_size` (a default size, not the user's) each projection
+    gets `int4_group_size` instead.
     """
     check_method(method)
     names = [name for name in tensors if is_quantizable(name)]
     if not names:
         raise ValueError("no decoder projection weights (model.layers.N.*_proj.weight) to quantize")
+    sizes: dict[str, int] = {}
     if method == "int4":
         for name in names:  # validate every shape before doing any work
-            check_group_size(group_size, tensors[name].shape[1], name)
+            k = tensors[name].shape[1]
+            if adapt_group_size:
+                sizes[name] = int4_group_size(k, group_size, name)
+            else:
+                check_group_size(group_size, k, name)
+                sizes[name] = group_size
     targets = set(names)
     out = {name: tensor for name, tensor in tensors.items() if name not in targets}
     for name in tqdm(names, desc=f"quantizing to {method}", unit="tensor", disable=len(names) < _PROGRESS_MIN_TENSORS):
@@ -128,6 +158,6 @@ def quantize_tensors(
         if method == "int8":
             out[f"{prefix}.qweight"], out[f"{prefix}.scales"] = quantize_int8(tensor, scale_dtype)
         else:
-            qweight, scales, zeros = quantize_int4(tensor, group_size, scale_dtype)
+            qweight, scales, zeros = quantize_int4(tensor, sizes[name], scale_dtype)
             out[f"{prefix}.qweight"], out[f"{prefix}.scales"], out[f"{prefix}.zeros"] = qweight, scales, zeros
     return out

@@ -134,3 +134,17 @@ def test_qkv_bias_and_tied_embeddings_survive_quantization(
     torch.testing.assert_close(quant.layers[0].self_attn.qkv_bias, dense.layers[0].self_attn.qkv_bias)
     ref, got = prefill_logits(dense, PROMPT), prefill_logits(quant, PROMPT)
     assert 0 < float((got - ref).norm() / ref.norm()) < max_rel_err
+
+
+def test_cli_default_group_size_narrows_where_needed_and_a_given_one_is_kept(
+    hf_model_dir: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = hf_model_dir("qwen2-tied")  # down_proj has 160 inputs: 128-wide groups cannot tile it
+    assert main(["--method", "int4", "--group-size", "128", str(src), str(tmp_path / "given")]) == 2
+    assert "group size 128 does not divide model.layers.0.mlp.down_proj.weight's 160" in capsys.readouterr().err
+    assert main(["--method", "int4", str(src), str(tmp_path / "default")]) == 0
+    tensors = load_file(str(tmp_path / "default" / "model.safetensors"))
+    assert tensors["model.layers.0.mlp.down_proj.scales"].shape[0] == 160 // 80
+    assert tensors["model.layers.0.mlp.up_proj.scales"].shape[0] == 64 // 64
+    model, _ = load_model(tmp_path / "default", show_progress=False)
+    assert model.layers[1].mlp.down_weight.group_size == 80

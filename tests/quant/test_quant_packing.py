@@ -7,7 +7,7 @@ import torch
 from quant_reference import pack_along_rows, unpack_along_rows
 
 from tidepool.engine.quant.formats import unpack_along_first, unpack_along_last
-from tidepool.engine.quant.quantize import quantize_int4, quantize_int8, quantize_tensors
+from tidepool.engine.quant.quantize import int4_group_size, quantize_int4, quantize_int8, quantize_tensors
 from tidepool.kernels.int4_packing import dequantize_int4, pack_int4, unpack_int4
 
 
@@ -130,3 +130,43 @@ def test_mins_form_and_fusing_parts_of_both_forms() -> None:
     x = torch.randn(3, 64, generator=gen)
     want = torch.cat([x @ dequantize_int4(pack_int4(q), scales, zeros, 32), x @ w], dim=1)
     torch.testing.assert_close(torch.nn.functional.linear(x, fused), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("k", "at_most", "size"),
+    [(1536, 128, 128), (576, 128, 96), (576, 64, 64), (64, 128, 64), (160, 128, 80), (1000, 128, 40), (776, 128, 8)],
+)
+def test_int4_group_size_is_the_largest_multiple_of_8_that_divides(k: int, at_most: int, size: int) -> None:
+    assert int4_group_size(k, at_most) == size
+    assert k % size == 0 and size % 8 == 0 and size <= at_most
+    assert not any(k % g == 0 for g in range(size + 8, at_most + 1, 8))
+
+
+@pytest.mark.parametrize(
+    ("k", "at_most", "message"),
+    [
+        (78, 128, "78 input features, not a multiple of 8.*use int8"),
+        (64, 12, "positive multiple of 8"),
+        (64, 0, "positive"),
+    ],
+)
+def test_int4_group_size_refuses_what_cannot_pack(k: int, at_most: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        int4_group_size(k, at_most, "w")
+
+
+def test_default_group_size_narrows_per_projection_only_when_asked() -> None:
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 576, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 1536, generator=g),
+    }
+    with pytest.raises(ValueError, match=r"group size 128 does not divide .*q_proj.weight's 576 .*e\.g\. 96"):
+        quantize_tensors(tensors, "int4", 128)  # a size the user chose is kept or refused, never changed
+    out = quantize_tensors(tensors, "int4", 128, adapt_group_size=True)
+    assert out["model.layers.0.self_attn.q_proj.scales"].shape == (576 // 96, 16)
+    assert out["model.layers.0.mlp.down_proj.scales"].shape == (1536 // 128, 8)
+    for prefix, size in (("model.layers.0.self_attn.q_proj", 96), ("model.layers.0.mlp.down_proj", 128)):
+        weight = tensors[f"{prefix}.weight"]
+        same, *_ = quantize_int4(weight, size)
+        assert torch.equal(out[f"{prefix}.qweight"], same)

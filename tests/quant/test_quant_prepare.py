@@ -9,6 +9,7 @@ import pytest
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.quant.cli import quantize_folder
 from tidepool.engine.quant.load import read_quant_spec
+from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.prepare import prepare_quantized
 
 
@@ -40,3 +41,24 @@ def test_mismatched_or_impossible_methods_name_the_fix(tiny_model_dir: Path, tmp
         prepare_quantized(str(tiny_model_dir), "gptq")
     with pytest.raises(ValueError, match="quantization must be one of"):
         prepare_quantized(str(tiny_model_dir), "fp8")
+
+
+def test_int4_at_load_narrows_groups_where_128_does_not_divide(hf_model_dir, tmp_path: Path, monkeypatch) -> None:
+    """Real models need this: SmolLM2's 576-wide hidden size is not a multiple of 128."""
+    import torch
+
+    monkeypatch.setenv("TIDEPOOL_QUANT_CACHE", str(tmp_path / "cache"))
+    src = hf_model_dir("qwen2-tied")  # hidden 64, intermediate 160: 128 divides neither
+    engine = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, show_progress=False)
+    dense, int4 = LLM(str(src), **engine), LLM(str(src), quantization="int4", **engine)
+    folder = Path(int4.engine.config.model)
+    assert read_quant_spec(folder).group_size == 128  # the folder's size; each projection's follows from K
+    layer = int4.engine.model.layers[0]
+    sizes = (layer.self_attn.qkv_weight.group_size, layer.self_attn.o_weight.group_size,
+             layer.mlp.gate_up_weight.group_size, layer.mlp.down_weight.group_size)  # fmt: skip
+    assert sizes == (64, 64, 64, 80)
+    prompt = torch.tensor([1, 17, 99, 250, 3, 42, 7, 300, 5, 11, 400, 64, 8, 9, 10, 200])
+    ref, got = prefill_logits(dense.engine.model, prompt), prefill_logits(int4.engine.model, prompt)
+    assert 0 < float((got - ref).norm() / ref.norm()) < 0.4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(int4.generate([[5, 17, 99]], params, use_tqdm=False)[0].outputs[0].token_ids) == 8
