@@ -1,15 +1,16 @@
-"""Decode with a GGUF's 4-bit weights kept, and with int8 weights, vs the same file dequantized to float32, one process.
+"""Decode with a GGUF's 4-bit weights kept, int8 and int4 weights, vs the same file dequantized to float32, one process.
 
-Three engines load the same .gguf (Q4_0/Q4_1 projections): "dense" dequantizes every weight to float32;
+Four engines load the same .gguf (Q4_0/Q4_1 projections): "dense" dequantizes every weight to float32;
 "int4" keeps the projections as Tidepool int4 (`quantization="gguf"`: group 32, tiled for the compiled
 CPU op, `engine/cpu_ops/int4_gemv.cpp`); "int8" quantizes the dequantized projections to per-channel
-int8 at load (`quantization="int8"`, the compiled GEMV's int8 rows). The one-call decode step reads
-all three (1-128 sequences). Rounds rotate the order; per batch size and round, the median step time
-of `--steps` decode steps at `--context-len` tokens of context; a speedup is dense / variant per round,
-then the median. bs=1 is also reported as bytes read per step (weights as stored + KV) / step time /
-the read bandwidth measured in the same run. Finally, once, the int4 model on torch's int4 path
-(`TIDEPOOL_CPU_INT4=torch`, what the engine did before the compiled op) at bs=1. Writes JSON and a PNG
-of tokens/s by batch size.
+int8 at load (`quantization="int8"`, the compiled GEMV's int8 rows); "int4-load" re-quantizes the
+dequantized projections to int4 at load (`quantization="int4"`: groups of 128, 96 where the 576
+inputs need it). The one-call decode step reads all four (1-128 sequences). Rounds rotate the order;
+per batch size and round, the median step time of `--steps` decode steps at `--context-len` tokens of
+context; a speedup is dense / variant per round, then the median. bs=1 is also reported as bytes read
+per step (weights as stored + KV) / step time / the read bandwidth measured in the same run. Finally,
+once, the int4 model on torch's int4 path (`TIDEPOOL_CPU_INT4=torch`, what the engine did before the
+compiled op) at bs=1. Writes JSON and a PNG of tokens/s by batch size.
 
     python bench/quantized_decode.py --model <SmolLM2 Q4_1 GGUF> [--batches 1,4,8,16] [--rounds 4]
 """
@@ -29,7 +30,12 @@ from common import add_decode_arguments, decode_bytes_per_step, decode_prompts, 
 from tidepool.engine import LLM, cpu_ops
 
 RESULTS = Path(__file__).resolve().parent / "results" / "quantized_decode"
-VARIANTS = {"dense": {"dtype": "float32"}, "int4": {"quantization": "gguf"}, "int8": {"quantization": "int8"}}
+VARIANTS = {
+    "dense": {"dtype": "float32"},
+    "int4": {"quantization": "gguf"},
+    "int8": {"quantization": "int8"},
+    "int4-load": {"quantization": "int4"},
+}
 
 
 def mbu(llm: LLM, context_len: int, step_s: float, bandwidth: float) -> dict[str, float]:
@@ -119,7 +125,12 @@ def plot(rows: list[dict], names: list[str], model: str, path: Path) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    labels = {"dense": "float32 (dequantized)", "int4": "int4 kept (compiled op)", "int8": "int8 (compiled GEMV)"}
+    labels = {
+        "dense": "float32 (dequantized)",
+        "int4": "int4 kept (compiled op)",
+        "int8": "int8 (compiled GEMV)",
+        "int4-load": "int4 quantized at load (compiled op)",
+    }
     fig, ax = plt.subplots(figsize=(8, 4))
     for name in names:
         ax.plot([r["batch"] for r in rows], [r[f"{name}_tok_s"] for r in rows], marker="o", label=labels[name])
