@@ -95,6 +95,7 @@ def swap_quantized(
     consumed: set[str] = set()
     left_dense: Counter[str] = Counter()
     kept: Counter[str] = Counter()
+    group_sizes: Counter[int] = Counter()  # int4 projections by group size
     targets = projection_targets(model)
     for param, prefixes in tqdm(targets.items(), desc=f"Quantizing ({mode})", disable=not show_progress):
         names = [f"{prefix}.weight" for prefix in prefixes]
@@ -109,10 +110,12 @@ def swap_quantized(
         swap_weight(model, param, _fuse(parts))
         consumed.update(names)
         kept.update(types)
+        group_sizes.update(part.group_size for part in parts if isinstance(part, Int4Parts))
     logger.info(
-        "GGUF projections quantized (%s): %s; left dense: %s",
+        "GGUF projections quantized (%s): %s; left dense: %s; int4 projections by group size: %s",
         mode,
         dict(kept) or "none",
         dict(left_dense) or "none",
+        dict(sorted(group_sizes.items())) or "none",
     )
     return consumed

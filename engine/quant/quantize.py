@@ -22,12 +22,15 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
 from tqdm.auto import tqdm
 
 from ...kernels.int4_packing import PACK_FACTOR, pack_int4
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "int4")
 INT4_MAX = 15
@@ -150,6 +153,14 @@ def quantize_tensors(
             else:
                 check_group_size(group_size, k, name)
                 sizes[name] = group_size
+        narrower = {tensors[name].shape[1]: size for name, size in sizes.items() if size != group_size}
+        if narrower:
+            logger.info(
+                "int4: groups of %d, narrower where %d does not divide a projection's inputs (%s)",
+                group_size,
+                group_size,
+                ", ".join(f"{k} inputs: {size}" for k, size in sorted(narrower.items())),
+            )
     targets = set(names)
     out = {name: tensor for name, tensor in tensors.items() if name not in targets}
     for name in tqdm(names, desc=f"quantizing to {method}", unit="tensor", disable=len(names) < _PROGRESS_MIN_TENSORS):

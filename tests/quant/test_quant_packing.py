@@ -155,7 +155,7 @@ def test_int4_group_size_refuses_what_cannot_pack(k: int, at_most: int, message:
         int4_group_size(k, at_most, "w")
 
 
-def test_default_group_size_narrows_per_projection_only_when_asked() -> None:
+def test_default_group_size_narrows_per_projection_only_when_asked(caplog: pytest.LogCaptureFixture) -> None:
     g = torch.Generator().manual_seed(5)
     tensors = {
         "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 576, generator=g),
@@ -163,7 +163,9 @@ def test_default_group_size_narrows_per_projection_only_when_asked() -> None:
     }
     with pytest.raises(ValueError, match=r"group size 128 does not divide .*q_proj.weight's 576 .*e\.g\. 96"):
         quantize_tensors(tensors, "int4", 128)  # a size the user chose is kept or refused, never changed
-    out = quantize_tensors(tensors, "int4", 128, adapt_group_size=True)
+    with caplog.at_level("INFO", logger="tidepool.engine.quant.quantize"):
+        out = quantize_tensors(tensors, "int4", 128, adapt_group_size=True)
+    assert "narrower where 128 does not divide a projection's inputs (576 inputs: 96)" in caplog.text
     assert out["model.layers.0.self_attn.q_proj.scales"].shape == (576 // 96, 16)
     assert out["model.layers.0.mlp.down_proj.scales"].shape == (1536 // 128, 8)
     for prefix, size in (("model.layers.0.self_attn.q_proj", 96), ("model.layers.0.mlp.down_proj", 128)):
