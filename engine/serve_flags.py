@@ -1,6 +1,8 @@
 """The `tidepool serve` flags as one table, from which every part that must agree on them is generated.
 
-- `add_to_parser(parser)`: the server's argparse flags (`tidepool serve --help` shows the table).
+- `add_to_parser(parser)`: the server's argparse flags (`tidepool serve --help` shows the table);
+  `resolve_positionals(parser, args)` after parsing (a `positional` flag may be given bare, as
+  vLLM's `vllm serve MODEL` takes the model).
 - `engine_kwargs(args)`: the `EngineConfig` / `LLM(...)` keywords the parsed flags feed.
 - `render_args(values)`: argv for a `{flag name: value}` mapping (the operator's builders use it).
 - `managed_flags()` / `managed_spellings()`: the flags the operator sets on every engine pod, which
@@ -54,7 +56,8 @@ class ServeFlag:
     managed: bool = False  # the operator sets it on every engine pod; engine.extraArgs may not
     engine_field: str | None = None  # the EngineConfig / LLM(...) keyword it feeds
     aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
-    required: bool = False
+    required: bool = False  # the server refuses to start without it (checked by resolve_positionals)
+    positional: bool = False  # may also be the first bare argument (`tidepool serve MODEL`)
 
     @property
     def option(self) -> str:
@@ -87,8 +90,8 @@ class ServeFlag:
 SERVE_FLAGS: tuple[ServeFlag, ...] = (
     # name, kind, default, help; then its help section, choices, whether the operator sets it, its EngineConfig field.
     ServeFlag("model", "str", None, "Hugging Face model folder, .gguf file (or a folder holding one) or catalogue "
-              "name (`tidepool pull --list`)", group="", required=True,
-              managed=True, engine_field="model"),
+              "name (`tidepool pull --list`); also accepted bare: `tidepool serve MODEL`", group="",
+              required=True, positional=True, managed=True, engine_field="model"),
     ServeFlag("tokenizer", "str", None, "tokenizer folder or .gguf file; default: the model", engine_field="tokenizer"),
     ServeFlag("dtype", "str", "auto", "activation/weight dtype; auto uses the checkpoint's",
               choices=("auto", "float32", "bfloat16", "float16"), managed=True, engine_field="dtype"),
@@ -192,9 +195,38 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = 
                 type=_TYPES[flag.kind],
                 default=flag.default,
                 choices=flag.choices,
-                required=flag.required,
+                required=flag.required and not flag.positional,  # a bare value may stand in for it
                 help=flag.help,
             )
+        if flag.positional:
+            section.add_argument(
+                _positional_dest(flag), nargs="?", metavar=flag.name.upper(), help=f"the same as {flag.option}"
+            )
+
+
+def _positional_dest(flag: ServeFlag) -> str:
+    return f"{flag.dest}_positional"
+
+
+def resolve_positionals(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, flags: Iterable[ServeFlag] = SERVE_FLAGS
+) -> argparse.Namespace:
+    """Fold each positional flag's bare value into its option; exits via `parser.error` (status 2) when
+    both are given and differ, or when a required one is given neither way."""
+    for flag in flags:
+        if flag.positional:
+            bare = getattr(args, _positional_dest(flag), None)
+            given = getattr(args, flag.dest)
+            if bare is not None and given is not None and bare != given:
+                parser.error(f"the {flag.name} is given twice ({bare!r} and {flag.option} {given!r}); give it once")
+            if given is None:
+                setattr(args, flag.dest, bare)
+            if hasattr(args, _positional_dest(flag)):
+                delattr(args, _positional_dest(flag))
+        if flag.required and getattr(args, flag.dest) is None:
+            bare = f" (or bare: {flag.name.upper()})" if flag.positional else ""
+            parser.error(f"{flag.option}{bare} is required")
+    return args
 
 
 def parse_json_object(flag: ServeFlag, raw: str) -> dict[str, Any]:

@@ -39,8 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parsed flags, with `tidepool serve MODEL` folded into --model (exits with status 2 on bad input)."""
+    parser = build_parser()
+    return serve_flags.resolve_positionals(parser, parser.parse_args(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name, value in (("max-queue-len", args.max_queue_len), ("retry-after", args.retry_after)):

@@ -16,7 +16,7 @@ import pytest
 
 from tidepool.engine import serve_flags
 from tidepool.engine.serve_flags import FLAGS, SERVE_FLAGS, ServeFlag, managed_spellings, render_args
-from tidepool.engine.server.cli import build_parser
+from tidepool.engine.server.cli import build_parser, parse_args
 from tidepool.operator.api import EngineSpec, InferenceServiceSpec, rules, serve_flag_fields, validate_spec
 from tidepool.operator.builders import ClusterFeatures, build_children
 from torch_free import TORCH_FREE_ENGINE_MODULES
@@ -95,7 +95,8 @@ def _actions() -> dict[str, argparse.Action]:
 @pytest.mark.parametrize("flag", SERVE_FLAGS, ids=lambda f: f.name)
 def test_parser_has_exactly_the_tables_flag(flag: ServeFlag) -> None:
     action = _actions()[flag.option]
-    assert action.dest == flag.dest and action.default == flag.default and action.required == flag.required
+    assert action.dest == flag.dest and action.default == flag.default
+    assert action.required == (flag.required and not flag.positional)  # a bare value may stand in
     assert tuple(action.choices) == flag.choices if flag.choices else action.choices is None
     assert all(alias in action.option_strings for alias in flag.aliases)
     if flag.kind == "bool":
@@ -109,6 +110,38 @@ def test_parser_has_exactly_the_tables_flag(flag: ServeFlag) -> None:
 def test_parser_has_no_flag_outside_the_table() -> None:
     known = {s for f in SERVE_FLAGS for s in (*f.spellings(), *f.aliases)} | {"-h", "--help"}
     assert set(_actions()) - known == set()
+
+
+@pytest.mark.parametrize(
+    ("argv", "model"),
+    [
+        (["m"], "m"),
+        (["--model", "m"], "m"),
+        (["m", "--port", "9"], "m"),
+        (["--port", "9", "m"], "m"),
+        (["m", "--model", "m"], "m"),
+    ],
+)
+def test_model_may_be_given_bare_as_vllm_serve_takes_it(argv: list[str], model: str) -> None:
+    args = parse_args(argv)
+    assert args.model == model and not hasattr(args, "model_positional")
+    assert serve_flags.engine_kwargs(args)["model"] == model
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "--model (or bare: MODEL) is required"),
+        (["a", "--model", "b"], "the model is given twice ('a' and --model 'b')"),
+        (["a", "b"], "unrecognized arguments: b"),
+    ],
+)
+def test_model_missing_or_given_twice_is_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_parser_refuses_abbreviations() -> None:
