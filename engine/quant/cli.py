@@ -118,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     src_bytes = sum(p.stat().st_size for p in args.input.glob("*.safetensors"))
     dst_bytes = (out / "model.safetensors").stat().st_size
-    groups = f", group size {args.group_size or DEFAULT_GROUP_SIZE}" if args.method == "int4" else ""
+    groups = ""
+    if args.method == "int4":
+        groups = f", group size {args.group_size}" if args.group_size else f", groups of at most {DEFAULT_GROUP_SIZE}"
     print(
         f"wrote {out} ({args.method}{groups}): "
         f"weights {src_bytes / 2**20:.1f} MiB -> {dst_bytes / 2**20:.1f} MiB in {time.perf_counter() - start:.1f}s"
