@@ -56,7 +56,7 @@ class ServeFlag:
     managed: bool = False  # the operator sets it on every engine pod; engine.extraArgs may not
     engine_field: str | None = None  # the EngineConfig / LLM(...) keyword it feeds
     aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
-    required: bool = False  # the server refuses to start without it (checked by resolve_positionals)
+    required: bool = False  # the server refuses to start without it (argparse checks it, resolve_positionals if bare)
     positional: bool = False  # may also be the first bare argument (`tidepool serve MODEL`)
 
     @property
@@ -214,18 +214,16 @@ def resolve_positionals(
     """Fold each positional flag's bare value into its option; exits via `parser.error` (status 2) when
     both are given and differ, or when a required one is given neither way."""
     for flag in flags:
-        if flag.positional:
-            bare = getattr(args, _positional_dest(flag), None)
-            given = getattr(args, flag.dest)
-            if bare is not None and given is not None and bare != given:
-                parser.error(f"the {flag.name} is given twice ({bare!r} and {flag.option} {given!r}); give it once")
-            if given is None:
-                setattr(args, flag.dest, bare)
-            if hasattr(args, _positional_dest(flag)):
-                delattr(args, _positional_dest(flag))
+        if not flag.positional:
+            continue  # argparse itself enforces `required` for the others
+        bare = vars(args).pop(_positional_dest(flag), None)
+        given = getattr(args, flag.dest)
+        if bare is not None and given is not None and bare != given:
+            parser.error(f"the {flag.name} is given twice ({bare!r} and {flag.option} {given!r}); give it once")
+        if given is None:
+            setattr(args, flag.dest, bare)
         if flag.required and getattr(args, flag.dest) is None:
-            bare = f" (or bare: {flag.name.upper()})" if flag.positional else ""
-            parser.error(f"{flag.option}{bare} is required")
+            parser.error(f"{flag.option} (or bare: {flag.name.upper()}) is required")
     return args
 
 

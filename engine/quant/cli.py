@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     dst_bytes = (out / "model.safetensors").stat().st_size
     groups = ""
     if args.method == "int4":
-        groups = f", group size {args.group_size}" if args.group_size else f", groups of at most {DEFAULT_GROUP_SIZE}"
+        given = args.group_size is not None
+        groups = f", group size {args.group_size}" if given else f", groups of at most {DEFAULT_GROUP_SIZE}"
     print(
         f"wrote {out} ({args.method}{groups}): "
         f"weights {src_bytes / 2**20:.1f} MiB -> {dst_bytes / 2**20:.1f} MiB in {time.perf_counter() - start:.1f}s"
