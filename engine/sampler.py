@@ -5,8 +5,11 @@ the logits, as OpenAI defines it), penalties (repetition over prompt+output, pre
 over output), the `min_tokens` mask on EOS/stop tokens, then greedy argmax (also for a
 temperature below `GREEDY_TEMPERATURE`) or temperature → top-k → top-p → min-p → sample.
 Sampling is an exponential race (argmax of p / Exp(1) noise) whose noise for a seeded request
-comes from that request's own generator, so its tokens do not depend on what else is in the
-batch. Generators persist across steps and preemptions; `release` drops them when a request ends.
+comes from that request's own generator, one Exp(1) row per token, so its tokens do not depend on
+what else is in the batch. Generators persist across steps and preemptions; `release` drops them
+when a request ends. Speculation with deterministic proposals draws the same rows (`race_noise`)
+and rewinds the generator to one row per emitted token, so it consumes the stream exactly as
+plain decoding does (spec_decode/speculator.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,22 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(seed)
             self._generators[request.request_id] = generator
         return generator
+
+    def race_noise(self, request: Request, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Exp(1) noise [rows, vocab] (dtype and device of `like`) for the request's next `rows` tokens,
+        each row drawn exactly as `sample` draws one token's, and the generator state after each row:
+        a caller that uses only the first e rows calls `rewind(request, states[e - 1])`."""
+        generator = self.generator_for(request)
+        noise = torch.empty(rows, like.shape[-1], dtype=like.dtype, device=like.device)
+        states = []
+        for row in range(rows):
+            _draw_exponential(noise[row], generator)
+            states.append(generator.get_state())
+        return noise, states
+
+    def rewind(self, request: Request, state: torch.Tensor) -> None:
+        """Put the request's generator back to `state` (one that `race_noise` returned)."""
+        self.generator_for(request).set_state(state)
 
     @torch.inference_mode()
     def probs(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -124,7 +143,7 @@ class Sampler:
             if request.sampling_params.seed is None:
                 unseeded.append(row)
                 continue
-            noise[row].exponential_(generator=self.generator_for(request))
+            _draw_exponential(noise[row], self.generator_for(request))
         if unseeded:
             index = torch.tensor(unseeded, device=logits.device)
             noise[index] = torch.empty(len(unseeded), probs.shape[1], device=logits.device).exponential_(
@@ -150,6 +169,11 @@ class Sampler:
             top = list(zip(top_ids_list[k][:n], top_values_list[k][:n], strict=True))
             result[request.request_id] = (chosen[k], top)
         return result
+
+
+def _draw_exponential(row: torch.Tensor, generator: torch.Generator) -> None:
+    """One token's race noise from one generator: the draw `sample` (seeded rows) and `race_noise` share."""
+    row.exponential_(generator=generator)
 
 
 def _is_plain_greedy(request: Request) -> bool:

@@ -1,15 +1,20 @@
-"""Lossless verification of proposals: the rejection sampler of speculative sampling.
+"""Lossless verification of proposals: the rejection sampler of speculative sampling, and matching.
 
 For each proposal d_i drawn from the proposer's distribution q_i, with the target's distribution
 p_i at the same position (Leviathan et al. 2023; Chen et al. 2023):
 - accept d_i with probability min(1, p_i(d_i) / q_i(d_i));
 - at the first rejection, emit a token drawn from norm(max(0, p_i - q_i)) and stop;
 - when all K are accepted, emit a bonus token drawn from p_{K+1}.
-Every emitted token is then distributed exactly as the target would have sampled it. A
-deterministic proposer (n-gram lookup, a greedy draft) has a one-hot q: acceptance is p_i(d_i),
-and the residual is p_i with d_i removed. Greedy requests have a one-hot p: proposals are accepted
-while they equal the argmax, and the first mismatch emits the argmax, so greedy output is identical
-to decoding without speculation, and no random numbers are consumed.
+Every emitted token is then distributed exactly as the target would have sampled it. This is what
+proposals sampled from a draft model get (`rejection_sample`).
+
+Deterministic proposals (n-gram lookup, greedy requests) are verified by matching instead
+(`verify_choices`): the target chooses its own token at each position the way plain decoding
+would (the argmax for greedy rows; the sampler's exponential race with the request's next noise
+rows for sampled ones), proposals are accepted while they equal that choice, and the first
+mismatch emits the choice. Each emitted token is the target's own choice given the tokens before
+it, so the output is the one plain decoding gives, token for token, whatever was proposed. For a
+one-hot q, acceptance is p_i(d_i) either way, so matching costs no accepted tokens.
 
 Batched over N independent rows (the engine passes one request at a time; tests pass thousands).
 """
@@ -59,15 +64,15 @@ def rejection_sample(
     return tokens, num_accepted
 
 
-def greedy_verify(target_argmax: list[int], draft_token_ids: list[int]) -> list[int]:
-    """Greedy rows: accept proposals while they equal the target's argmax, then emit the argmax there.
+def verify_choices(target_choices: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Accept proposals while they equal the target's own choice, then emit the choice there.
 
-    target_argmax has K + 1 entries (at each proposal and after the last); returns 1..K+1 tokens.
+    target_choices has K + 1 entries (at each proposal and after the last); returns 1..K+1 tokens.
     """
     emitted: list[int] = []
-    for draft, best in zip(draft_token_ids, target_argmax, strict=False):
-        if draft != best:
+    for draft, choice in zip(draft_token_ids, target_choices, strict=False):
+        if draft != choice:
             break
         emitted.append(draft)
-    emitted.append(target_argmax[len(emitted)])
+    emitted.append(target_choices[len(emitted)])
     return emitted

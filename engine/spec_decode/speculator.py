@@ -5,9 +5,12 @@ next token is the one to sample), the proposer suggests K_r tokens, K_r derived 
 (`num_spec_tokens_for`) and zero for everyone while the batch is too large to pay
 (`speculation_pays`). The scheduler feeds them after the pending token (dropping them when the
 budget or KV memory is short), the runner returns the target logits at each position, and
-`verify` turns those into emitted tokens with the rejection sampler, using the target sampler's
-own processing of each position's logits (penalties see the proposals before that position),
-so the emitted tokens have exactly the distribution plain decoding would give.
+`verify` turns those into emitted tokens, using the target sampler's own processing of each
+position's logits (penalties see the proposals before that position): proposals sampled from a
+draft model go through the rejection sampler, so the emitted tokens have exactly the distribution
+plain decoding would give; deterministic ones (n-gram, and any greedy request) are matched
+against the target's own choice, with a seeded request's own noise rows, so the emitted tokens
+are the ones plain decoding would give, whatever the batch or budget did to the proposals.
 
 Backoff on measured acceptance, per request: after m verification steps in a row that accepted
 nothing, the request gets no proposals for min(2^m - 1, MAX_BACKOFF_STEPS) steps (a proposer that
@@ -34,7 +37,7 @@ from ..step_hooks import BeforeSchedule, HookContext, StepHook, StepView
 from .config import SpeculativeConfig, num_spec_tokens_for, speculation_pays
 from .draft import DraftProposer
 from .ngram import NgramProposer
-from .rejection_sampler import greedy_verify, rejection_sample
+from .rejection_sampler import rejection_sample, verify_choices
 
 logger = logging.getLogger(__name__)
 
@@ -173,16 +176,18 @@ class Speculator(StepHook):
                 for i in range(1, num_spec + 1)
             ]
             target_probs = self.sampler.probs(logits, views)
+            draft_probs = self._draft_probs.get(request_id)
             if request.sampling_params.is_greedy:
-                emitted = greedy_verify(target_probs.argmax(dim=-1).tolist(), proposed)
+                emitted = verify_choices(target_probs.argmax(dim=-1).tolist(), proposed)
+            elif draft_probs is None:  # deterministic proposals: the target races as plain decoding does
+                noise, states = self.sampler.race_noise(request, num_spec + 1, target_probs)
+                emitted = verify_choices((target_probs / noise).argmax(dim=-1).tolist(), proposed)
+                self.sampler.rewind(request, states[len(emitted) - 1])  # one noise row per emitted token
             else:
-                draft_probs = self._draft_probs.get(request_id)
-                if draft_probs is not None:
-                    draft_probs = draft_probs[:num_spec].unsqueeze(0)
                 tokens, num_accepted = rejection_sample(
                     target_probs.unsqueeze(0),
                     torch.tensor([proposed], dtype=torch.long, device=target_probs.device),
-                    draft_probs,
+                    draft_probs[:num_spec].unsqueeze(0),
                     self.sampler.generator_for(request),
                 )
                 emitted = tokens[0, : int(num_accepted[0]) + 1].tolist()

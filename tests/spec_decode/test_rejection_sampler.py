@@ -8,7 +8,7 @@ import torch
 from spec_helpers import chi_square_p_value
 
 from tidepool.engine.spec_decode import rejection_sampler
-from tidepool.engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
+from tidepool.engine.spec_decode.rejection_sampler import rejection_sample, verify_choices
 
 NUM_SAMPLES = 60_000
 VOCAB = 6
@@ -83,5 +83,5 @@ def test_equal_p_and_q_accept_everything() -> None:
         ([5, 6], [5], [5, 6]),
     ],
 )
-def test_greedy_verify(argmax: list[int], draft: list[int], emitted: list[int]) -> None:
-    assert greedy_verify(argmax, draft) == emitted
+def test_verify_choices(argmax: list[int], draft: list[int], emitted: list[int]) -> None:
+    assert verify_choices(argmax, draft) == emitted
