@@ -10,8 +10,8 @@ Invariants:
 - A request that ends early (client disconnect, cancellation, error) aborts its unfinished
   engine requests in a `finally`, so their KV blocks are freed.
 - A request that ends badly says so. JSON: the engine failed on it -> 500; a shutdown aborted it
-  -> 503 (retry elsewhere). Streams (headers already sent): the last chunk carries
-  `finish_reason: "abort"` where the engine ended it, then an OpenAI-shaped error event, then
+  -> 503 (retry elsewhere). Streams (headers already sent): every choice still open (all n of
+  them) gets a last chunk with `finish_reason: "abort"`, then one OpenAI-shaped error event, then
   `data: [DONE]`. Never a silent 200.
 - Streamed text is the engine's stream-safe text (held back while a stop string could still
   cut it), so the concatenated deltas equal the non-streamed text.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -243,9 +243,21 @@ class Serving:
         """Each choice's new text as it becomes safe to send; after a failure one SSE error event (a str), then stop."""
         sent_chars = dict.fromkeys(job.index_of, 0)
         sent_tokens = dict.fromkeys(job.index_of, 0)
+        latest: dict[str, CompletionOutput] = {}
+
+        def ended_by(error: APIError) -> Iterator[_Delta | str]:
+            """Every choice still open ends with finish_reason "abort", then the one error event."""
+            for rid, index in job.index_of.items():
+                if rid not in job.finals:
+                    seen = latest.get(rid) or CompletionOutput(index=index, text="", token_ids=[])
+                    aborted = replace(seen, finish_reason="abort", stop_reason=None)
+                    yield _Delta(index, aborted, "", sent_chars[rid], sent_tokens[rid], sent_tokens[rid])
+            yield error_event(error)
+
         try:
             async for out in stream:
                 rid, comp = out.request_id, out.outputs[0]
+                latest[rid] = comp
                 if out.finished:
                     job.finals[rid] = out
                 elif len(comp.text) == sent_chars[rid]:
@@ -255,10 +267,12 @@ class Serving:
                 sent_chars[rid], sent_tokens[rid] = len(comp.text), len(comp.token_ids)
                 error = finish_error(out, stream) if out.finished else None
                 if error is not None:
-                    yield error_event(error)
+                    for item in ended_by(error):
+                        yield item
                     return
         except Exception as err:  # the engine died, refused the request, or a shutdown ended it
-            yield error_event(engine_error(err))
+            for item in ended_by(engine_error(err)):
+                yield item
         finally:
             self._abort_unfinished(stream)
 

@@ -88,14 +88,17 @@ class _JsonRequest:
         return self.response
 
 
-def _assert_aborted_stream(reader: _StreamReader, code: str) -> None:
-    """The stream says what happened: finish_reason "abort", then an OpenAI-shaped error event, then [DONE]."""
+def _assert_aborted_stream(reader: _StreamReader, code: str, n: int = 1) -> None:
+    """The stream says what happened: every one of the n choices ends with finish_reason "abort", then one
+    OpenAI-shaped error event, then [DONE]."""
     assert reader.status == 200
     assert reader.events[-1] == "[DONE]", reader.events[-3:]
     error = _error(reader.events[-2])
     assert error["code"] == code and error["type"] == "service_unavailable", error
-    finishes = [c["choices"][0]["finish_reason"] for c in reader.events[:-2] if isinstance(c, dict) and c["choices"]]
-    assert finishes[-1] == "abort", reader.events[-4:]
+    chunks = [c for c in reader.events[:-2] if isinstance(c, dict)]
+    assert all("error" not in c for c in chunks), chunks  # one error event, the last
+    finishes = {choice["index"]: choice["finish_reason"] for c in chunks for choice in c["choices"]}
+    assert finishes == dict.fromkeys(range(n), "abort"), reader.events[-2 * n - 2 :]
 
 
 def _blocks_all_free(server: Server) -> bool:
@@ -106,15 +109,15 @@ def _blocks_all_free(server: Server) -> bool:
 def test_drain_deadline_aborts_say_so(serve_controlled: Callable[..., Server]) -> None:
     server = serve_controlled("--drain-timeout", "1")
     server.pause()
-    stream = _StreamReader(server, "/v1/completions", STREAM)
-    chat_body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 50}
+    stream = _StreamReader(server, "/v1/completions", {**STREAM, "n": 3})
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 50, "n": 2}
     chat = _StreamReader(server, "/v1/chat/completions", chat_body)
     plain = _JsonRequest(server, "/v1/completions", JSON_BODY)
-    _wait_for(lambda: server.kv()["num_unfinished"] == 3, "three requests in the (paused) engine")
+    _wait_for(lambda: server.kv()["num_unfinished"] == 6, "six sequences in the (paused) engine")
     server.proc.send_signal(signal.SIGTERM)
-    for reader in (stream, chat):
+    for reader, n in ((stream, 3), (chat, 2)):
         reader.join()
-        _assert_aborted_stream(reader, "drain_timeout")
+        _assert_aborted_stream(reader, "drain_timeout", n)
     resp = plain.join()
     assert resp.status_code == 503, resp.text
     assert _error(resp.json())["code"] == "drain_timeout"
@@ -195,14 +198,17 @@ def test_a_request_the_engine_fails_on_fails_alone(serve_controlled: Callable[..
     server.pause()  # all four in the engine together, so the poisoned ones share steps with the healthy ones
     poisoned = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 24, "seed": 666, "ignore_eos": True}
     plain = _JsonRequest(server, "/v1/completions", poisoned)
-    stream = _StreamReader(server, "/v1/completions", {**poisoned, "stream": True})
+    # n=2 from seed 665: choice 1 (seed 666) fails, choice 0 is healthy and still running when it does.
+    stream = _StreamReader(server, "/v1/completions", {**poisoned, "seed": 665, "n": 2, "stream": True})
     healthy = [_JsonRequest(server, "/v1/completions", normal) for _ in range(2)]
-    _wait_for(lambda: server.kv()["num_unfinished"] == 4, "four requests in the (paused) engine")
+    _wait_for(lambda: server.kv()["num_unfinished"] == 5, "five sequences in the (paused) engine")
     server.pause(False)
     resp = plain.join()
     assert resp.status_code == 500 and _error(resp.json())["code"] == "request_failed", resp.text
     stream.join()
     assert stream.events[-1] == "[DONE]" and _error(stream.events[-2])["code"] == "request_failed", stream.events
+    finishes = {choice["index"]: choice["finish_reason"] for c in stream.events[:-2] for choice in c["choices"]}
+    assert finishes.keys() == {0, 1} and finishes[0] == "abort", stream.events  # the healthy choice is told too
     for request in healthy:  # the others in the same steps carry on with exactly their tokens
         assert request.join().json()["choices"][0]["text"] == expected
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
