@@ -28,9 +28,11 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, values)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._biases.pop(request_id, None)
 
     def generator_for(self, request: Request) -> torch.Generator:
         """The request's own seeded generator (kept across steps), or the shared one when it has no seed."""
@@ -111,11 +113,8 @@ class Sampler:
         params = request.sampling_params
         vocab = logits.shape[1]
         if params.logit_bias:
-            # The engine refuses ids outside the model's vocabulary; the filter keeps a padded vocab safe.
-            bias = [(t, b) for t, b in params.logit_bias.items() if t < vocab]
-            if bias:
-                ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
-                logits[row, ids] += torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+            ids, values = self._bias_of(request, logits)
+            logits[row, ids] += values
         if params.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             ids = [t for t in request.all_token_ids if t < vocab]
@@ -134,6 +133,18 @@ class Sampler:
             banned_ids = [t for t in banned if t < vocab]
             if banned_ids:
                 logits[row, banned_ids] = float("-inf")
+
+    def _bias_of(self, request: Request, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The request's logit_bias as (token ids, values) tensors, built once per request: a bias may name the
+        whole vocabulary, and rebuilding it from the dict every step would cost every request in the batch."""
+        cached = self._biases.get(request.request_id)
+        if cached is None:
+            # The engine refuses ids outside the model's vocabulary; the filter keeps a padded vocab safe.
+            bias = [(t, b) for t, b in (request.sampling_params.logit_bias or {}).items() if t < logits.shape[1]]
+            ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=logits.device)
+            values = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=logits.device)
+            cached = self._biases[request.request_id] = (ids, values)
+        return cached
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         probs = _processed_probs(logits, requests)

@@ -67,3 +67,23 @@ def test_any_processed_row_takes_the_full_path_with_unchanged_results(params: Sa
         chosen, top = logprobs["special"]
         assert chosen == pytest.approx(float(want[tokens[1]]))
         assert [t for t, _ in top] == want.topk(2).indices.tolist()
+
+
+def test_logit_bias_is_built_once_per_request_and_dropped_when_it_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias over the whole vocabulary is turned into tensors once, not at every step of every row
+    (the server saw a full-vocabulary bias slow every request in the batch ~5x); it still applies each step."""
+    sampler = Sampler()
+    bias = {t: (-100.0 if t != 7 else 0.0) for t in range(50)}  # only token 7 can win
+    requests = [_request(f"r{i}", SamplingParams(temperature=0.0, logit_bias=bias)) for i in range(3)]
+    conversions = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(
+        torch, "tensor", lambda data, *a, **k: conversions.append(len(data)) or real_tensor(data, *a, **k)
+    )
+    for step in range(4):
+        tokens, _ = sampler.sample(_logits(3), requests)
+        assert tokens == [7, 7, 7], step
+    assert conversions.count(50) == 6  # ids and values converted once per request, not 24 times (3 rows x 4 steps)
+    for request in requests:
+        sampler.release(request.request_id)
+    assert sampler._biases == {}
