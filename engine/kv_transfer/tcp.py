@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 def parse_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit() and len(port) <= 5) or not 0 < int(port) < 65536:
         raise ValueError(f"KV address {addr!r} must be host:port (e.g. 10.0.0.7:14579)")
     return host.strip("[]"), int(port)
 

@@ -110,6 +110,12 @@ class Serving:
 
     async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         prompts, texts = await self._completion_prompts(req)
+        if "max_tokens" not in req.model_fields_set and req.max_tokens is not None and req.min_tokens > req.max_tokens:
+            raise APIError(
+                f"min_tokens ({req.min_tokens}) exceeds max_tokens ({req.max_tokens}, the completions default when "
+                f"max_tokens is not sent); send a max_tokens of at least {req.min_tokens}, or null for the room left",
+                param="min_tokens",
+            )
         job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", req.logprobs, logit_bias)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
@@ -305,7 +311,14 @@ class Serving:
                 check_prompt_token_ids(prompt, self.info.vocab_size, limit)
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
-            params = sampling_params(req, max_tokens or limit - len(prompt), logprobs, logit_bias)
+            room = limit - len(prompt)
+            if max_tokens is None and req.min_tokens > room:
+                raise APIError(
+                    f"min_tokens ({req.min_tokens}) exceeds the room left in the context: {room} tokens after the "
+                    f"{len(prompt)}-token {prompt_param} (max_model_len {limit}); lower min_tokens",
+                    param="min_tokens",
+                )
+            params = sampling_params(req, max_tokens or room, logprobs, logit_bias)
             for j in range(req.n):
                 child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
                 job.children.append(child)

@@ -152,6 +152,11 @@ def test_parse_kv_transfer_params() -> None:
     for bad, match in [
         ({"role": "producer", "transfer_id": "a"}, "decode_kv_addr"),
         ({"role": "producer", "transfer_id": "a", "decode_kv_addr": "nohost"}, "host:port"),
+        # Digits Python's int() refuses or reads oddly: still the host:port message, never int()'s own.
+        ({"role": "producer", "transfer_id": "a", "decode_kv_addr": "h:" + "9" * 5000}, "host:port"),
+        ({"role": "producer", "transfer_id": "a", "decode_kv_addr": "h:\u00b2"}, "host:port"),
+        ({"role": "producer", "transfer_id": "a", "decode_kv_addr": "h:\u0661\u0662"}, "host:port"),
+        ({"role": "producer", "transfer_id": "a", "decode_kv_addr": "h:65536"}, "host:port"),
         ({"role": "both", "transfer_id": "a"}, "role"),
         ({"role": "consumer"}, "transfer_id"),
         ("consumer", "object"),
