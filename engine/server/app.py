@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -266,13 +267,32 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> Response:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        error = APIError(str(err.detail), status_code=err.status_code, type=kind, headers=getattr(err, "headers", None))
+        message = _body_error(err.__cause__) if err.status_code == 400 and err.__cause__ is not None else None
+        error = APIError(message or str(err.detail), status_code=err.status_code, type=kind,
+                         headers=getattr(err, "headers", None))  # fmt: skip
         return error_response(error)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> Response:
         logger.exception("unhandled error")
         return error_response(APIError(f"internal error: {err!r}", status_code=500, type="internal_error"))
+
+
+def _body_error(cause: BaseException) -> str | None:
+    """What was wrong with a body FastAPI could not parse (it says only "There was an error parsing the body").
+
+    FastAPI turns JSON syntax errors into validation errors itself; what reaches here are the
+    failures of `json.loads` that are not syntax errors.
+    """
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid {cause.encoding.upper()} (byte {cause.start}: {cause.reason}); "
+                "send JSON encoded as UTF-8")  # fmt: skip
+    if isinstance(cause, RecursionError):
+        return "the request body nests arrays or objects too deeply to parse; flatten it"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        return f"the request body holds a number with more than {limit} digits; no parameter takes one that large"
+    return None
 
 
 def _shown(value: Any) -> str:

@@ -5,6 +5,8 @@ the model loads or the server drains, reads the whole body itself (so it can bou
 then hands the request to FastAPI with the body replayed.
 
 Invariants:
+- A body with a Content-Encoding other than identity is refused with 415 (and `Accept-Encoding:
+  identity`, as RFC 9110 asks) before it is read: the API reads only uncompressed JSON.
 - A body larger than `max_body_bytes` is refused with 413 as soon as that is known (from
   Content-Length, or while reading); a client that pauses longer than `body_read_timeout_s`
   between two parts of its body gets 408. Both bodies are OpenAI-shaped errors.
@@ -82,6 +84,17 @@ class RequestGate:
             state.num_inflight -= 1
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        coding = _content_encoding(scope)
+        if coding not in ("", "identity"):
+            raise _Refused(
+                APIError(
+                    f"the request body is sent with Content-Encoding {coding!r}; this server reads only uncompressed "
+                    "bodies: send it without Content-Encoding",
+                    status_code=415,
+                    code="unsupported_content_encoding",
+                    headers={"accept-encoding": "identity"},
+                )
+            )
         limit = self.state.config.max_body_bytes
         declared = _content_length(scope)
         if declared is not None and declared > limit:
@@ -163,6 +176,12 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+def _content_encoding(scope: Scope) -> str:
+    """The body's Content-Encoding, lower-cased; "" when there is none (several headers are joined as HTTP says)."""
+    values = [value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"content-encoding"]
+    return ", ".join(v.strip() for v in values if v.strip()).lower()
+
+
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
     got = f"at least {size:,}" if at_least else f"{size:,}"
     return APIError(
@@ -186,6 +205,9 @@ def error_bytes(body: dict[str, Any]) -> bytes:
 async def send_error(send: Send, error: APIError, close: bool = False) -> None:
     payload = error_bytes(error.body())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [
+        (name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in (error.headers or {}).items()
+    ]
     if close:  # the rest of the body was not read: the connection cannot carry another request
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status_code, "headers": headers})

@@ -46,6 +46,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
     ("stream-type", COMPLETIONS, {"stream": "yes"}, 400, "stream"),
     ("stream_options-without-stream", COMPLETIONS, {"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("min_tokens-over-max", COMPLETIONS, {"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("min_tokens-over-room", CHAT, {"min_tokens": 2000, "max_tokens": None}, 400, "min_tokens"),
     ("echo-with-logprobs", COMPLETIONS, {"echo": True, "logprobs": 1}, 400, "echo"),
     ("prompt-empty-list", COMPLETIONS, {"prompt": []}, 400, "prompt"),
     ("prompt-token-out-of-vocab", COMPLETIONS, {"prompt": [5, 999999]}, 400, "prompt"),
@@ -156,6 +157,49 @@ def test_context_length_message(server: Server) -> None:
     error = _check_shape(resp)
     assert resp.status_code == 400 and error["code"] == "context_length_exceeded"
     assert "1024" in error["message"] and "1100" in error["message"] and "1000" in error["message"]
+
+
+def test_min_tokens_over_the_context_names_only_what_the_client_sent(server: Server) -> None:
+    """Without max_tokens, a min_tokens past the room left is the client's number, not a derived max_tokens."""
+    resp = _post(server, COMPLETIONS, _raw(OK_COMPLETION, prompt=[5] * 24, min_tokens=1500, max_tokens=None))
+    error = _check_shape(resp)
+    assert resp.status_code == 400 and error["param"] == "min_tokens", error
+    assert "1500" in error["message"] and "1000" in error["message"] and "max_tokens" not in error["message"], error
+    # Completions default max_tokens to 16 when it is not sent at all: the message says it is that default.
+    default = _post(server, COMPLETIONS, {"min_tokens": 20, "max_tokens": None})
+    error = _check_shape(default)
+    assert default.status_code == 400 and error["param"] == "min_tokens", error
+    assert "16, the completions default" in error["message"], error
+
+
+# Bodies json.loads refuses for reasons other than syntax (FastAPI alone says "There was an error parsing the body").
+UNPARSABLE: list[tuple[str, bytes, str]] = [
+    ("invalid-utf8", b'{"model": "tiny", "prompt": "caf\xe9", "max_tokens": 2}', "byte 32"),
+    ("deep-nesting", b'{"model": "tiny", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "too deeply"),
+    ("5000-digit-number", b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "says"), UNPARSABLE, ids=[c[0] for c in UNPARSABLE])
+def test_unparsable_body_says_why(server: Server, name: str, body: bytes, says: str) -> None:
+    resp = _post(server, COMPLETIONS, body)
+    assert resp.status_code == 400, resp.text
+    error = _check_shape(resp)
+    assert says in error["message"] and "error parsing the body" not in error["message"], error
+
+
+def test_compressed_body_is_refused_by_name(server: Server) -> None:
+    import gzip
+
+    body = gzip.compress(json.dumps(OK_COMPLETION).encode())
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    resp = httpx.post(server.url + COMPLETIONS, content=body, headers=headers, timeout=30)
+    assert resp.status_code == 415 and resp.headers["accept-encoding"] == "identity", resp.text
+    error = _check_shape(resp)
+    assert "'gzip'" in error["message"] and error["code"] == "unsupported_content_encoding", error
+    identity = httpx.post(server.url + COMPLETIONS, json=OK_COMPLETION, headers={"content-encoding": "identity"},
+                          timeout=30)  # fmt: skip
+    assert identity.status_code == 200, identity.text
 
 
 def test_unknown_route_is_openai_shaped(server: Server) -> None:
