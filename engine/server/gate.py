@@ -166,20 +166,25 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _header_values(scope: Scope, name: bytes) -> list[bytes]:
+    """Every value of header `name` (lower-case, as ASGI gives names), in the order sent."""
+    return [value for key, value in scope.get("headers", ()) if key == name]
+
+
 def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP parser refuses a malformed length before we are called
-    return None
+    values = _header_values(scope, b"content-length")
+    if not values:
+        return None
+    try:
+        return int(values[0])
+    except ValueError:
+        return None  # the HTTP parser refuses a malformed length before we are called
 
 
 def _content_encoding(scope: Scope) -> str:
     """The body's Content-Encoding, lower-cased; "" when there is none (several headers are joined as HTTP says)."""
-    values = [value.decode("latin-1") for name, value in scope.get("headers", ()) if name == b"content-encoding"]
-    return ", ".join(v.strip() for v in values if v.strip()).lower()
+    values = (value.decode("latin-1").strip() for value in _header_values(scope, b"content-encoding"))
+    return ", ".join(v for v in values if v).lower()
 
 
 def _too_large(size: int, limit: int, at_least: bool = False) -> APIError:
