@@ -76,6 +76,36 @@ def check_fan_out(num_prompts: int, n: int, max_queue_len: int) -> None:
         )
 
 
+def check_min_tokens(
+    min_tokens: int, max_tokens: int | None, max_tokens_from: str | None, prompt_len: int, prompt_param: str, limit: int
+) -> None:
+    """min_tokens fits the completion's budget. The message names where that budget came from: the field the
+    client sent (`max_tokens_from`), the completions default (a max_tokens nobody sent), or, with no max_tokens,
+    the room the prompt leaves in the context, so it never quotes a number the client did not send as theirs."""
+    if max_tokens is None:
+        room = limit - prompt_len
+        if min_tokens > room:
+            raise APIError(
+                f"min_tokens ({min_tokens}) exceeds the room left in the context: {room} tokens after the "
+                f"{prompt_len}-token {prompt_param} (max_model_len {limit}); lower min_tokens",
+                param="min_tokens",
+            )
+        return
+    if min_tokens <= max_tokens:
+        return
+    if max_tokens_from is None:
+        raise APIError(
+            f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens}, the completions default when max_tokens "
+            f"is not sent); send a max_tokens of at least {min_tokens}, or null for the room left",
+            param="min_tokens",
+        )
+    raise APIError(
+        f"min_tokens ({min_tokens}) exceeds {max_tokens_from} ({max_tokens}); raise {max_tokens_from} or lower "
+        "min_tokens",
+        param="min_tokens",
+    )
+
+
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     if not raw:
         return None

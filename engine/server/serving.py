@@ -37,7 +37,15 @@ from .async_engine import (
     QueueFullError,
     RequestStream,
 )
-from .checks import check_chat, check_common, check_completion, check_fan_out, message_dict, sampling_params
+from .checks import (
+    check_chat,
+    check_common,
+    check_completion,
+    check_fan_out,
+    check_min_tokens,
+    message_dict,
+    sampling_params,
+)
 from .disagg import attach_kv_transfer, wait_sent
 from .logprobs import LogprobFormatter
 from .prompts import PromptEncoder
@@ -110,13 +118,8 @@ class Serving:
 
     async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         prompts, texts = await self._completion_prompts(req)
-        if "max_tokens" not in req.model_fields_set and req.max_tokens is not None and req.min_tokens > req.max_tokens:
-            raise APIError(
-                f"min_tokens ({req.min_tokens}) exceeds max_tokens ({req.max_tokens}, the completions default when "
-                f"max_tokens is not sent); send a max_tokens of at least {req.min_tokens}, or null for the room left",
-                param="min_tokens",
-            )
-        job = self._job("cmpl", prompts, texts, req, req.max_tokens, "prompt", req.logprobs, logit_bias)
+        sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
+        job = self._job("cmpl", prompts, texts, req, (req.max_tokens, sent), "prompt", req.logprobs, logit_bias)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
@@ -196,9 +199,12 @@ class Serving:
         text = await self.engine.guard(self.encoder.render_chat(messages, req.add_generation_prompt))
         # The template already carries any BOS token, so encode without adding special tokens again.
         [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens=False))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if req.max_completion_tokens is not None:
+            budget = (req.max_completion_tokens, "max_completion_tokens")
+        else:
+            budget = (req.max_tokens, "max_tokens" if req.max_tokens is not None else None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job("chatcmpl", [prompt], [text], req, max_tokens, "messages", num_top, logit_bias)
+        job = self._job("chatcmpl", [prompt], [text], req, budget, "messages", num_top, logit_bias)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
@@ -288,11 +294,14 @@ class Serving:
         prompts: list[list[int]],
         texts: list[str | None],
         req: SamplingRequest,
-        max_tokens: int | None,
+        budget: tuple[int | None, str | None],
         prompt_param: str,
         logprobs: int | None,
         logit_bias: dict[int, float] | None,
     ) -> _Job:
+        """The engine requests for `prompts` (n each). `budget` is (max_tokens, the request field it came from;
+        None for a default); a max_tokens of None means the room each prompt leaves in the context."""
+        max_tokens, max_tokens_from = budget
         job = _Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n)
         limit = self.info.max_model_len
         for i, prompt in enumerate(prompts):
@@ -311,14 +320,8 @@ class Serving:
                 check_prompt_token_ids(prompt, self.info.vocab_size, limit)
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
-            room = limit - len(prompt)
-            if max_tokens is None and req.min_tokens > room:
-                raise APIError(
-                    f"min_tokens ({req.min_tokens}) exceeds the room left in the context: {room} tokens after the "
-                    f"{len(prompt)}-token {prompt_param} (max_model_len {limit}); lower min_tokens",
-                    param="min_tokens",
-                )
-            params = sampling_params(req, max_tokens or room, logprobs, logit_bias)
+            check_min_tokens(req.min_tokens, max_tokens, max_tokens_from, len(prompt), prompt_param, limit)
+            params = sampling_params(req, max_tokens or limit - len(prompt), logprobs, logit_bias)
             for j in range(req.n):
                 child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
                 job.children.append(child)

@@ -170,6 +170,12 @@ def test_min_tokens_over_the_context_names_only_what_the_client_sent(server: Ser
     error = _check_shape(default)
     assert default.status_code == 400 and error["param"] == "min_tokens", error
     assert "16, the completions default" in error["message"], error
+    # A max_tokens the client did send is named by the field it came in.
+    for field in ("max_tokens", "max_completion_tokens"):
+        sent = _post(server, CHAT, {"min_tokens": 5, field: 2})
+        error = _check_shape(sent)
+        assert sent.status_code == 400 and error["param"] == "min_tokens", error
+        assert f"exceeds {field} (2)" in error["message"] and "default" not in error["message"], error
 
 
 # Bodies json.loads refuses for reasons other than syntax (FastAPI alone says "There was an error parsing the body").
