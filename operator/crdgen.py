@@ -4,7 +4,8 @@ The models in `tidepool.operator.api` are the single source of truth. This modul
 JSON schema into a *structural* OpenAPI v3 schema the API server accepts: `$ref`s inlined,
 `anyOf [X, null]` collapsed to X (optional fields are simply absent; the API server prunes
 explicit nulls, matching pydantic's None), `title` and `additionalProperties: false` dropped,
-numeric `exclusiveMinimum` rewritten to the OpenAPI 3.0 boolean form, and the CEL rules of
+numeric `exclusiveMinimum` rewritten to the OpenAPI 3.0 boolean form, `const` (a one-value Literal, which the
+API server would not enforce) written as a one-value `enum`, and the CEL rules of
 `rules.py` attached to the schema of their model class. Output is deterministic (field order
 from the models, fixed YAML width), so the in-sync test can compare bytes.
 
@@ -143,6 +144,8 @@ class _Structurer:
                 out["maximum"], out["exclusiveMaximum"] = value, True
             elif key == "default":
                 out[key] = copy.deepcopy(value)
+            elif key == "const":  # a one-value Literal: the API server enforces enum, not const
+                out["enum"] = [value]
             else:
                 out[key] = self.convert(value)
         if class_name and self.with_factory_defaults and "properties" in out:
