@@ -9,23 +9,59 @@ CEL, so that a refused field is kept in the schema and refused with a message, n
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.quantity import QUANTITY_RE
+from tidepool.operator.api.quantity import POSITIVE_QUANTITY_RE, QUANTITY_RE
 from tidepool.operator.api.types import DnsLabel, DnsSubdomain
 
+# Kubernetes' own string rules, as patterns both pydantic and the API server read (a dot is `[.]`: the patterns
+# also serve inside CEL string literals, which take no backslash escapes unless raw).
+# A qualified name (label and annotation keys, topology keys): an optional lowercase DNS-subdomain prefix and
+# "/", then a name of at most 63 letters, digits, '-', '_' and '.' that starts and ends with a letter or digit.
+# (The prefix's own 253-character bound is left to the API server's check of the pods.)
+_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
+QUALIFIED_NAME_RE = rf"^({_PREFIX})?{_NAME}$"
+OPTIONAL_QUALIFIED_NAME_RE = rf"^(({_PREFIX})?{_NAME})?$"  # a toleration's key may be empty
+QUALIFIED_NAME_MAX = 253 + 1 + 63
+LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+CONFIG_KEY_RE = r"^[-._a-zA-Z0-9]+$"
+# Pod fields the downward API serves: as env (valueFrom.fieldRef; checked by a rule in pod_rules.py, whose CEL
+# carries it in a raw string literal) and as files (downwardAPI items; a pattern: a CEL regex there, deep in
+# projected volumes, would exceed the API server's cost budget).
+_ONE_LABEL = rf"metadata[.](labels|annotations)\['({_PREFIX})?{_NAME}'\]"
+ENV_FIELD_RE = (
+    rf"^(metadata[.](name|namespace|uid)|{_ONE_LABEL}|spec[.](nodeName|serviceAccountName)"
+    r"|status[.](hostIP|hostIPs|podIP|podIPs))$"
+)
+FILE_FIELD_RE = rf"^(metadata[.](name|namespace|uid|labels|annotations)|{_ONE_LABEL})$"
+RESOURCE_FIELD_RE = r"^(limits|requests)[.](cpu|memory|ephemeral-storage|hugepages-.+)$"
+# A path inside a volume: relative, no ".." element, not starting with "..".
+_FIRST = r"([^/.][^/]*|[.]([^/.][^/]*)?)"
+_SEGMENT = r"([^/.][^/]*|[.]([^/.][^/]*)?|[.][.][^/]+)?"
+REL_PATH_RE = rf"^{_FIRST}(/{_SEGMENT})*$"
+
 Key = Annotated[str, StringConstraints(min_length=1, max_length=253)]
-LabelValue = Annotated[str, StringConstraints(max_length=63)]
-RelPath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=QUALIFIED_NAME_MAX, pattern=QUALIFIED_NAME_RE)]
+LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE_RE)]
+ConfigKey = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=CONFIG_KEY_RE)]
+RelPath = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=REL_PATH_RE)]
 EnvName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
 FileMode = Annotated[int, Field(ge=0, le=0o777)]
-Labels = dict[str, LabelValue]
+Labels = dict[str, LabelValue]  # keys: see `is_label_key` (a map's keys are checked by a rule, pod_rules.py)
 # A quantity as a bounded string checked by pattern: `types.Quantity`'s CEL isQuantity() is too costly for the API
 # server's estimator this deep in lists (its values are also plain strings in Kubernetes' own volume sources).
 Size = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=QUANTITY_RE.pattern)]
+PositiveSize = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=POSITIVE_QUANTITY_RE.pattern)]
+
+
+def is_label_key(key: str) -> bool:
+    """Whether `key` is a Kubernetes qualified name (the rule `QUALIFIED_NAME_RE` states)."""
+    return len(key) <= QUALIFIED_NAME_MAX and re.match(QUALIFIED_NAME_RE, key) is not None
 
 
 def labels_field(description: str) -> Any:
@@ -39,7 +75,7 @@ class KeySelector(ApiModel):
     """One key of a Secret or ConfigMap in the pod's namespace."""
 
     name: DnsSubdomain = Field(description="Name of the Secret or ConfigMap.")
-    key: Key = Field(description="The key to read.")
+    key: ConfigKey = Field(description="The key to read (letters, digits, '-', '_', '.').")
     optional: bool | None = Field(default=None, description="Start the pod even when the key is missing.")
 
 
@@ -47,14 +83,26 @@ class ObjectFieldSelector(ApiModel):
     """A field of the pod (downward API), e.g. metadata.name or status.podIP."""
 
     field_path: Annotated[str, StringConstraints(min_length=1, max_length=256)] = Field(description="Field path.")
-    api_version: Annotated[str, StringConstraints(max_length=64)] | None = Field(default=None, description="v1.")
+    api_version: Literal["v1"] | None = Field(default=None, description="v1.")
+
+
+class FileFieldSelector(ApiModel):
+    """A field of the pod as a downward-API file."""
+
+    field_path: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=FILE_FIELD_RE)] = Field(
+        description="metadata.name, metadata.namespace, metadata.uid, metadata.labels, metadata.annotations, "
+        "or one label or annotation as metadata.labels['KEY'] or metadata.annotations['KEY']."
+    )
+    api_version: Literal["v1"] | None = Field(default=None, description="v1.")
 
 
 class ResourceFieldSelector(ApiModel):
     """A resource request or limit of a container (downward API)."""
 
     container_name: DnsLabel | None = Field(default=None, description="Container; unset: this one.")
-    resource: Annotated[str, StringConstraints(min_length=1, max_length=64)] = Field(description="e.g. limits.cpu.")
+    resource: Annotated[str, StringConstraints(max_length=64, pattern=RESOURCE_FIELD_RE)] = Field(
+        description="limits.<resource> or requests.<resource>: cpu, memory, ephemeral-storage or hugepages-<size>."
+    )
 
 
 class EnvVarSource(ApiModel):
@@ -84,8 +132,8 @@ class OptionalRef(ApiModel):
 class EnvFromSource(ApiModel):
     """Every key of one Secret or ConfigMap as env (explicit env, the operator's included, wins on a clash)."""
 
-    prefix: Annotated[str, StringConstraints(max_length=64)] | None = Field(
-        default=None, description="Prepended to every key."
+    prefix: Annotated[str, StringConstraints(max_length=64, pattern=r"^[ -<>-~]*$")] | None = Field(
+        default=None, description="Prepended to every key (printable ASCII, no '=')."
     )
     secret_ref: OptionalRef | None = Field(default=None, description="The Secret.")
     config_map_ref: OptionalRef | None = Field(default=None, description="The ConfigMap.")
@@ -148,7 +196,7 @@ class DownwardAPIFile(ApiModel):
     """One downward-API file: a pod field or a container resource."""
 
     path: RelPath = Field(description="Relative file path.")
-    field_ref: ObjectFieldSelector | None = Field(default=None, description="A field of the pod.")
+    field_ref: FileFieldSelector | None = Field(default=None, description="A field of the pod.")
     resource_field_ref: ResourceFieldSelector | None = Field(default=None, description="A container resource.")
     mode: FileMode | None = Field(default=None, description="File mode bits.")
 
@@ -230,7 +278,7 @@ class ClaimMetadata(ApiModel):
 class StorageRequest(ApiModel):
     """The size of a claim."""
 
-    storage: Size = Field(description="Requested size (e.g. 100Gi).")
+    storage: PositiveSize = Field(description="Requested size, greater than zero (e.g. 100Gi).")
 
 
 class ClaimResources(ApiModel):
@@ -243,7 +291,7 @@ class ClaimSpec(ApiModel):
     """The claim of a generic ephemeral volume."""
 
     access_modes: list[Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]] = Field(
-        default_factory=list, max_length=4, description="Access modes."
+        min_length=1, max_length=4, description="Access modes (at least one)."
     )
     storage_class_name: DnsSubdomain | None = Field(default=None, description="StorageClass.")
     volume_mode: Literal["Filesystem", "Block"] | None = Field(default=None, description="Filesystem or Block.")

@@ -16,7 +16,7 @@ from pydantic import Field, StringConstraints
 
 from tidepool.engine.serve_flags import FLAGS
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.types import DnsSubdomain, Quantity, ShortString
+from tidepool.operator.api.types import DnsSubdomain, PositiveQuantity, Quantity, ShortString
 
 Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
@@ -83,7 +83,7 @@ class CacheClaim(ApiModel):
     """A PersistentVolumeClaim holding the weights, shared by every pod that mounts it."""
 
     claim_name: DnsSubdomain = Field(description="Name of the PersistentVolumeClaim (in this namespace).")
-    size: Quantity | None = Field(
+    size: PositiveQuantity | None = Field(
         default=None, description="Set to have the operator create the claim with this size; unset: it must exist."
     )
     storage_class_name: DnsSubdomain | None = Field(

@@ -25,7 +25,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints
 
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.kube import EnvFromSource, EnvVar, LocalObjectReference, Volume, VolumeMount
+from tidepool.operator.api.kube import (
+    OPTIONAL_QUALIFIED_NAME_RE,
+    QUALIFIED_NAME_MAX,
+    EnvFromSource,
+    EnvVar,
+    LabelValue,
+    LocalObjectReference,
+    Volume,
+    VolumeMount,
+)
 from tidepool.operator.api.scheduling import Affinity, TopologySpreadConstraint
 from tidepool.operator.api.types import DnsSubdomain, Quantity
 
@@ -43,7 +52,7 @@ RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models")
 # Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
 RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PREFIX = "hugepages-"
-NodeSelectorMap = dict[str, Annotated[str, StringConstraints(max_length=63)]]
+NodeSelectorMap = dict[str, LabelValue]  # keys: label keys (a rule in pod_rules.py)
 
 
 def reserved_env(name: str) -> bool:
@@ -68,13 +77,11 @@ def allowed_resource(name: str) -> bool:
 class Toleration(ApiModel):
     """A Kubernetes pod toleration."""
 
-    key: Annotated[str, StringConstraints(max_length=316)] | None = Field(
-        default=None, description="Taint key; unset with operator Exists matches every taint."
+    key: Annotated[str, StringConstraints(max_length=QUALIFIED_NAME_MAX, pattern=OPTIONAL_QUALIFIED_NAME_RE)] | None = (
+        Field(default=None, description="Taint key (a label key); unset or empty needs operator Exists (every taint).")
     )
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: Annotated[str, StringConstraints(max_length=63)] | None = Field(
-        default=None, description="Taint value to match (only with Equal)."
-    )
+    value: LabelValue | None = Field(default=None, description="Taint value to match (only with Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match; unset matches all effects."
     )

@@ -1,20 +1,25 @@
 """Validation rules of `spec.pod`, `pools.<name>.pod` and `router.resources`: what an override may never do.
 
 Same contract as rules.py (which appends these to SPEC_RULES): each CEL rule has its Python mirror and
-one message that says what to fix. The names and paths refused come from pod.py, never copied. Refused
-fields (hostPath, hostNetwork/hostPID/hostIPC) stay in the schema so that the API server refuses them
-with these messages instead of pruning them silently; an unknown volume source (nfs, iscsi, ...) is
-pruned, which leaves the volume without a source, and the exactly-one-source rule refuses it.
+one message that says what to fix. Besides what Tidepool forbids, they carry the checks Kubernetes makes of a
+pod that a schema cannot state (map keys, operator/values pairs, exactly-one fields), so that the API server
+refuses such an InferenceService at admission instead of accepting it and refusing every pod template later.
+The names and paths refused come from pod.py, never copied. Refused fields (hostPath, hostNetwork/hostPID/
+hostIPC) stay in the schema so that the API server refuses them with these messages instead of pruning them
+silently; an unknown volume source (nfs, iscsi, ...) is pruned, which leaves the volume without a source, and
+the exactly-one-source rule refuses it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
 
 from tidepool.operator.api import kube as k
 from tidepool.operator.api import pod as p
+from tidepool.operator.api import scheduling as sc
 from tidepool.operator.api import spec as s
 from tidepool.operator.api.rule import Rule
 
@@ -62,6 +67,37 @@ def _cel_pool_mounts(pool: str) -> str:
 def _unique(items: list[Any], key: str) -> bool:
     values = [getattr(i, key) for i in items]
     return len(values) == len(set(values))
+
+
+# ---- Kubernetes' own checks of what the pods get, so that the API server refuses the InferenceService
+# instead of every pod apply failing later. Map keys have no schema of their own, hence rules.
+_LABEL_KEY_HINT = (
+    "a name of at most 63 letters, digits, '-', '_' or '.' that starts and ends with a letter or digit, "
+    "optionally after a lowercase DNS-subdomain prefix and '/' (e.g. example.com/gpu-type)"
+)
+_INTEGER_RE = r"^-?[0-9]+$"
+_LABEL_FORMS = "metadata.labels['KEY'] or metadata.annotations['KEY']"
+
+
+def _label_keys(model: type[BaseModel], fields: tuple[str, ...], where: str) -> Rule:
+    wire = _wire(model, fields)
+    return Rule(
+        model,
+        " && ".join(
+            f"self.{f}.all(k, size(k) <= {k.QUALIFIED_NAME_MAX} && k.matches('{k.QUALIFIED_NAME_RE}'))" for f in wire
+        ),
+        f"{where} keys must be label keys: {_LABEL_KEY_HINT}",
+        lambda o: all(k.is_label_key(key) for f in fields for key in getattr(o, f)),
+        f".{wire[0]}" if len(wire) == 1 else None,
+    )
+
+
+def _selector_values_ok(r: sc.LabelSelectorRequirement | sc.NodeSelectorRequirement) -> bool:
+    if r.operator in ("In", "NotIn"):
+        return len(r.values) > 0
+    if r.operator in ("Gt", "Lt"):
+        return len(r.values) == 1 and re.match(_INTEGER_RE, r.values[0]) is not None
+    return not r.values
 
 
 POD_RULES: tuple[Rule, ...] = (
@@ -169,5 +205,78 @@ POD_RULES: tuple[Rule, ...] = (
         "(a pool's pod.volumeMounts may also name one of spec.pod.volumes)",
         _mounts_ok,
         ".pod",
+    ),
+    _label_keys(p.PodOverrides, ("node_selector", "annotations"), "pod.nodeSelector and pod.annotations"),
+    _label_keys(s.RouterSpec, ("node_selector",), "router.nodeSelector"),
+    _label_keys(sc.LabelSelector, ("match_labels",), "a label selector's matchLabels"),
+    _label_keys(k.ClaimMetadata, ("labels", "annotations"), "an ephemeral volume claim's labels and annotations"),
+    Rule(
+        sc.LabelSelectorRequirement,
+        "self.operator in ['In', 'NotIn'] ? size(self.values) > 0 : size(self.values) == 0",
+        "a label selector's matchExpressions need values with operator In or NotIn, and none with Exists or "
+        "DoesNotExist",
+        _selector_values_ok,
+        ".values",
+    ),
+    Rule(
+        sc.NodeSelectorRequirement,
+        "self.operator in ['In', 'NotIn'] ? size(self.values) > 0 : self.operator in ['Gt', 'Lt'] ? "
+        f"size(self.values) == 1 && self.values[0].matches('{_INTEGER_RE}') : size(self.values) == 0",
+        "a node selector's matchExpressions need values with operator In or NotIn, exactly one integer value with "
+        "Gt or Lt, and none with Exists or DoesNotExist",
+        _selector_values_ok,
+        ".values",
+    ),
+    Rule(
+        sc.PodAffinityTerm,
+        "has(self.labelSelector) || (size(self.matchLabelKeys) == 0 && size(self.mismatchLabelKeys) == 0)",
+        "a pod (anti-)affinity term with matchLabelKeys or mismatchLabelKeys needs a labelSelector",
+        lambda t: t.label_selector is not None or not (t.match_label_keys or t.mismatch_label_keys),
+    ),
+    Rule(
+        sc.PodAffinityTerm,
+        "!self.matchLabelKeys.exists(k, k in self.mismatchLabelKeys)",
+        "a pod (anti-)affinity term must not list a key in both matchLabelKeys and mismatchLabelKeys",
+        lambda t: not set(t.match_label_keys) & set(t.mismatch_label_keys),
+        ".matchLabelKeys",
+    ),
+    Rule(
+        sc.TopologySpreadConstraint,
+        "!has(self.minDomains) || self.whenUnsatisfiable == 'DoNotSchedule'",
+        "a topology spread constraint's minDomains needs whenUnsatisfiable DoNotSchedule",
+        lambda c: c.min_domains is None or c.when_unsatisfiable == "DoNotSchedule",
+        ".minDomains",
+    ),
+    Rule(
+        p.PodOverrides,
+        "self.topologySpreadConstraints.all(c, self.topologySpreadConstraints.exists_one(d, "
+        "d.topologyKey == c.topologyKey && d.whenUnsatisfiable == c.whenUnsatisfiable))",
+        "pod.topologySpreadConstraints must not repeat a topologyKey with the same whenUnsatisfiable",
+        lambda o: (
+            len({(c.topology_key, c.when_unsatisfiable) for c in o.topology_spread_constraints})
+            == len(o.topology_spread_constraints)
+        ),
+        ".topologySpreadConstraints",
+    ),
+    Rule(
+        k.EnvVarSource,
+        f'!has(self.fieldRef) || self.fieldRef.fieldPath.matches(r"{k.ENV_FIELD_RE}")',
+        "pod.env valueFrom.fieldRef.fieldPath must be metadata.name, metadata.namespace, metadata.uid, "
+        f"{_LABEL_FORMS}, spec.nodeName, spec.serviceAccountName, status.hostIP(s) or status.podIP(s)",
+        lambda v: v.field_ref is None or re.match(k.ENV_FIELD_RE, v.field_ref.field_path) is not None,
+        ".fieldRef.fieldPath",
+    ),
+    Rule(
+        k.DownwardAPIFile,
+        "(has(self.fieldRef) ? 1 : 0) + (has(self.resourceFieldRef) ? 1 : 0) == 1",
+        "a downwardAPI item needs exactly one of fieldRef or resourceFieldRef",
+        lambda f: (f.field_ref is None) != (f.resource_field_ref is None),
+    ),
+    Rule(
+        k.DownwardAPIFile,
+        "!has(self.resourceFieldRef) || has(self.resourceFieldRef.containerName)",
+        "a downwardAPI item's resourceFieldRef needs containerName (the engine's container is named engine)",
+        lambda f: f.resource_field_ref is None or f.resource_field_ref.container_name is not None,
+        ".resourceFieldRef",
     ),
 )

@@ -24,11 +24,14 @@ import math
 import re
 from fractions import Fraction
 
-QUANTITY_RE = re.compile(
-    r"^(?P<number>[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+))"
-    r"(?P<suffix>n|u|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+)?$"
+_SUFFIX = r"(?P<suffix>n|u|m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+)?$"
+QUANTITY_RE = re.compile(r"^(?P<number>[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+))" + _SUFFIX)
+# The same with a non-zero digit in the number: a quantity greater than zero (claims' storage requests).
+POSITIVE_QUANTITY_RE = re.compile(
+    r"^(?P<number>[+]?([0-9]*[1-9][0-9]*(\.[0-9]*)?|[0-9]*\.[0-9]*[1-9][0-9]*))" + _SUFFIX
 )
-QUANTITY_MESSAGE = "must be a Kubernetes quantity such as 500m, 4, 16Gi or 100G"
+QUANTITY_MESSAGE = "must be a non-negative Kubernetes quantity such as 500m, 4, 16Gi or 100G"
+POSITIVE_QUANTITY_MESSAGE = "must be a Kubernetes quantity greater than zero, such as 500m, 4, 16Gi or 100G"
 DECIMAL_EXPONENTS = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 BINARY_EXPONENTS = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _DECIMAL_SUFFIX = {exp: suffix for suffix, exp in DECIMAL_EXPONENTS.items()}
@@ -60,6 +63,13 @@ def is_quantity(value: object) -> bool:
     except ValueError:
         return False
     return True
+
+
+def is_positive_quantity(value: object) -> bool:
+    try:
+        return _parse(value)[0] > 0  # type: ignore[arg-type]
+    except ValueError:
+        return False
 
 
 def quantity_value(value: str | int) -> Fraction:

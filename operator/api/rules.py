@@ -241,6 +241,13 @@ _CORE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         p.Toleration,
+        "(has(self.key) && self.key != '') || self.operator == 'Exists'",
+        "a toleration without key must use operator Exists (it then tolerates every taint)",
+        lambda t: bool(t.key) or t.operator == "Exists",
+        ".operator",
+    ),
+    Rule(
+        p.Toleration,
         "self.operator != 'Exists' || !has(self.value)",
         "a toleration with operator Exists must not set value",
         lambda t: t.operator != "Exists" or t.value is None,

@@ -7,23 +7,23 @@ topology spread constraint without labelSelector selects the pods of its own poo
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
 from tidepool.operator.api.base import ApiModel
-from tidepool.operator.api.kube import Key, Labels, labels_field
-from tidepool.operator.api.types import DnsLabel
-
-Values = list[Annotated[str, StringConstraints(max_length=253)]]
+from tidepool.operator.api.kube import LabelKey, Labels, LabelValue, labels_field
+from tidepool.operator.api.types import DnsLabel, DnsSubdomain
 
 
 class LabelSelectorRequirement(ApiModel):
     """key operator values."""
 
-    key: Key = Field(description="Label key.")
+    key: LabelKey = Field(description="Label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"] = Field(description="In, NotIn, Exists, DoesNotExist.")
-    values: Values = Field(default_factory=list, max_length=32, description="Values (In, NotIn).")
+    values: list[LabelValue] = Field(
+        default_factory=list, max_length=32, description="Values: at least one with In or NotIn, none otherwise."
+    )
 
 
 class LabelSelector(ApiModel):
@@ -36,11 +36,23 @@ class LabelSelector(ApiModel):
 
 
 class NodeSelectorRequirement(ApiModel):
-    """key operator values, on node labels or fields."""
+    """key operator values, on node labels."""
 
-    key: Key = Field(description="Node label (or field) key.")
+    key: LabelKey = Field(description="Node label key.")
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(description="Operator.")
-    values: Values = Field(default_factory=list, max_length=32, description="Values.")
+    values: list[LabelValue] = Field(
+        default_factory=list,
+        max_length=32,
+        description="Values: at least one with In or NotIn, exactly one (an integer) with Gt or Lt, none otherwise.",
+    )
+
+
+class NodeFieldSelectorRequirement(ApiModel):
+    """A requirement on a node field: Kubernetes supports only metadata.name, with In or NotIn and one node name."""
+
+    key: Literal["metadata.name"] = Field(description="metadata.name (the only node field selectors support).")
+    operator: Literal["In", "NotIn"] = Field(description="In or NotIn.")
+    values: list[DnsSubdomain] = Field(min_length=1, max_length=1, description="One node name.")
 
 
 class NodeSelectorTerm(ApiModel):
@@ -49,7 +61,7 @@ class NodeSelectorTerm(ApiModel):
     match_expressions: list[NodeSelectorRequirement] = Field(
         default_factory=list, max_length=8, description="On node labels."
     )
-    match_fields: list[NodeSelectorRequirement] = Field(
+    match_fields: list[NodeFieldSelectorRequirement] = Field(
         default_factory=list, max_length=4, description="On node fields."
     )
 
@@ -57,7 +69,7 @@ class NodeSelectorTerm(ApiModel):
 class NodeSelector(ApiModel):
     """Terms of which one must match."""
 
-    node_selector_terms: list[NodeSelectorTerm] = Field(max_length=8, description="ORed terms.")
+    node_selector_terms: list[NodeSelectorTerm] = Field(min_length=1, max_length=8, description="ORed terms.")
 
 
 class PreferredSchedulingTerm(ApiModel):
@@ -84,9 +96,13 @@ class PodAffinityTerm(ApiModel):
     label_selector: LabelSelector | None = Field(default=None, description="The other pods.")
     namespace_selector: LabelSelector | None = Field(default=None, description="Namespaces of the other pods.")
     namespaces: list[DnsLabel] = Field(default_factory=list, max_length=16, description="Namespaces.")
-    topology_key: Key = Field(description="Node label that defines the domain (e.g. kubernetes.io/hostname).")
-    match_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys matched by value.")
-    mismatch_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys mismatched.")
+    topology_key: LabelKey = Field(description="Node label that defines the domain (e.g. kubernetes.io/hostname).")
+    match_label_keys: list[LabelKey] = Field(
+        default_factory=list, max_length=8, description="Keys matched by value (needs labelSelector)."
+    )
+    mismatch_label_keys: list[LabelKey] = Field(
+        default_factory=list, max_length=8, description="Keys mismatched (needs labelSelector)."
+    )
 
 
 class WeightedPodAffinityTerm(ApiModel):
@@ -119,10 +135,14 @@ class TopologySpreadConstraint(ApiModel):
     """Spread the pods across a topology; labelSelector unset selects the pods of the same pool."""
 
     max_skew: int = Field(ge=1, le=10_000, description="Largest allowed difference between domains.")
-    topology_key: Key = Field(description="Node label that defines the domains (e.g. topology.kubernetes.io/zone).")
+    topology_key: LabelKey = Field(
+        description="Node label that defines the domains (e.g. topology.kubernetes.io/zone)."
+    )
     when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(description="Hard or soft.")
     label_selector: LabelSelector | None = Field(default=None, description="Pods counted; unset: this pool's pods.")
-    min_domains: int | None = Field(default=None, ge=1, le=10_000, description="Least eligible domains.")
+    min_domains: int | None = Field(
+        default=None, ge=1, le=10_000, description="Least eligible domains (only with DoNotSchedule)."
+    )
     node_affinity_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
     node_taints_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
-    match_label_keys: list[Key] = Field(default_factory=list, max_length=8, description="Keys matched by value.")
+    match_label_keys: list[LabelKey] = Field(default_factory=list, max_length=8, description="Keys matched by value.")

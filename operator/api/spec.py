@@ -20,6 +20,7 @@ from pydantic import Field, StringConstraints
 from tidepool.engine.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.gateway import InferencePoolSpec
+from tidepool.operator.api.kube import LABEL_VALUE_RE
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, Toleration
 from tidepool.operator.api.types import IntOrPercent, Quantity
@@ -35,6 +36,8 @@ Mode = Literal["unified", "disaggregated"]
 Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
 RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
 ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
+# The value of the node label nvidia.com/gpu.product, so a label value (the builders put it in a nodeSelector).
+GpuProduct = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=LABEL_VALUE_RE)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +159,7 @@ class Resources(ApiModel):
             "(tensor ranks share a pod). With pipeline > 1 each stage is one pod, with `tensor` GPUs."
         ),
     )
-    gpu_product: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
+    gpu_product: GpuProduct | None = Field(
         default=None,
         description="Required value of the node label nvidia.com/gpu.product (e.g. NVIDIA-H100-80GB-HBM3).",
     )
@@ -167,9 +170,7 @@ class Resources(ApiModel):
 class ResourceOverrides(ApiModel):
     """Per-pool changes to `spec.resources` (GPU count stays global: it follows parallelism)."""
 
-    gpu_product: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = Field(
-        default=None, description="Overrides resources.gpuProduct for this pool."
-    )
+    gpu_product: GpuProduct | None = Field(default=None, description="Overrides resources.gpuProduct for this pool.")
     cpu: Quantity | None = Field(default=None, description="Overrides resources.cpu for this pool.")
     memory: Quantity | None = Field(default=None, description="Overrides resources.memory for this pool.")
 

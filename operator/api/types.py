@@ -13,7 +13,12 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
 
-from tidepool.operator.api.quantity import QUANTITY_MESSAGE, is_quantity
+from tidepool.operator.api.quantity import (
+    POSITIVE_QUANTITY_MESSAGE,
+    QUANTITY_MESSAGE,
+    is_positive_quantity,
+    is_quantity,
+)
 
 PERCENT_RE = re.compile(r"^[0-9]{1,3}%$")
 INT_OR_PERCENT_MESSAGE = "must be a non-negative integer or a percentage such as 25%"
@@ -24,6 +29,12 @@ DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9
 def _quantity(value: object) -> str:
     if not is_quantity(value):
         raise ValueError(f"{value!r} {QUANTITY_MESSAGE}")
+    return str(value)
+
+
+def _positive_quantity(value: object) -> str:
+    if not is_positive_quantity(value):
+        raise ValueError(f"{value!r} {POSITIVE_QUANTITY_MESSAGE}")
     return str(value)
 
 
@@ -42,12 +53,34 @@ Quantity = Annotated[
         {
             "x-kubernetes-int-or-string": True,
             "x-kubernetes-validations": [
-                {"rule": "type(self) == int ? self >= 0 : isQuantity(self)", "message": QUANTITY_MESSAGE}
+                {
+                    "rule": "type(self) == int ? self >= 0 : "
+                    "isQuantity(self) && !quantity(self).isLessThan(quantity('0'))",
+                    "message": QUANTITY_MESSAGE,
+                }
             ],
         }
     ),
 ]
-"""A Kubernetes resource quantity (`4`, `500m`, `16Gi`); always a string in Python."""
+"""A Kubernetes resource quantity (`4`, `500m`, `16Gi`), not negative; always a string in Python."""
+
+PositiveQuantity = Annotated[
+    str,
+    BeforeValidator(_positive_quantity),
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "x-kubernetes-validations": [
+                {
+                    "rule": "type(self) == int ? self > 0 : "
+                    "isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                    "message": POSITIVE_QUANTITY_MESSAGE,
+                }
+            ],
+        }
+    ),
+]
+"""A quantity greater than zero (a claim's size: Kubernetes refuses a zero storage request)."""
 
 IntOrPercent = Annotated[
     int | str,

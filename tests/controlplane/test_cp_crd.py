@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from api_cases_pod import VALID_POD_EDITS
 from devcluster_addons import install_crds
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -33,6 +35,8 @@ from tidepool.operator.api import (
     status_patch,
     validate_spec,
 )
+from tidepool.operator.builders import ClusterFeatures
+from tidepool.operator.reconcile import desire
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
@@ -183,3 +187,21 @@ def test_scale_subresource_drives_spec_replicas(control_plane, crd_namespace):
     )
     assert refused.returncode != 0
     assert "spec.replicas must lie within minReplicas..maxReplicas" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(("name", "edit"), VALID_POD_EDITS, ids=[e[0] for e in VALID_POD_EDITS])
+def test_accepted_pod_edge_cases_give_pods_the_api_server_accepts(control_plane, crd_namespace, name, edit):
+    """What the CRD accepts in spec.pod, the API server accepts in the children built from it (a dry-run apply of
+    each): an InferenceService must never pass admission only to have every pod template refused later."""
+    body = cases.sample("unified")
+    body["metadata"]["name"] = f"edge-{name}"
+    edit(body)
+    stored = _create(control_plane, crd_namespace, body)
+    children = desire(stored, ClusterFeatures(), None).children
+    assert children
+    for child in children:
+        out = control_plane.kubectl(
+            "apply", "--server-side", "--dry-run=server", "--field-manager=test", "-f", "-",
+            input=yaml.safe_dump(child), check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, f"{child['kind']}/{child['metadata']['name']}: {out.stderr}"
