@@ -20,7 +20,7 @@ take keys from the queue (one worker per key at a time; triggers coalesce) and r
 Errors re-queue the key with per-key exponential backoff. Waiting for pods needs no retry: pod
 and workload events re-queue the key. Steady state costs the API server only the watches' periodic
 reconnects. Events are posted for real transitions only (Created, Scaled, RollingOut,
-DriftCorrected, Pruned, InvalidSpec, ApplyFailed).
+DriftCorrected, Pruned, InvalidSpec, ApplyFailed), and ClaimKept while it lasts (events.py).
 """
 
 from __future__ import annotations

@@ -204,6 +204,39 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
     assert not [o for o in leftovers if uid in json.dumps(o.get("metadata", {}).get("ownerReferences", []))]
 
 
+def test_a_cache_claim_keeps_what_kubernetes_cannot_change(control_plane, cp_namespace, operator):
+    """A smaller modelCache size and other access modes for an existing (statically bound) claim: the claim keeps
+    them, a Warning says why, and the rest of the new spec rolls out; no apply refused in a retry loop."""
+    ns = cp_namespace
+    obj = load_example("inferenceservice-unified.yaml")
+    name, claim = "claimed", obj["spec"]["modelCache"]["persistentVolumeClaim"]["claimName"]
+    obj["metadata"]["name"] = name
+    apply_isvc(control_plane, ns, obj)
+    wait_ready(control_plane, ns, name)
+    patch = {
+        "spec": {
+            "engine": {"maxNumSeqs": 64},
+            "modelCache": {"persistentVolumeClaim": {"size": "1Gi", "accessModes": ["ReadWriteOnce"]}},
+        }
+    }
+    control_plane.kubectl("patch", "inferenceservice", name, "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+    def settled() -> dict[str, Any] | None:
+        o = get_isvc(control_plane, ns, name)
+        return o if o and o["status"].get("observedGeneration") == 2 and is_ready(o) else None
+
+    settled_obj = wait_until(settled, 120, "generation 2 applied and Ready")
+    assert (condition(settled_obj, "Degraded") or {}).get("status") != "True", settled_obj["status"]
+    found = children(control_plane, ns, name)
+    kept = found[("PersistentVolumeClaim", claim)]["spec"]
+    assert kept["resources"]["requests"]["storage"] == "5Gi" and kept["accessModes"] == ["ReadWriteMany"]
+    args = found[("Deployment", f"{name}-unified")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "64"
+    warnings = [e["message"] for e in events_of(control_plane, ns, name) if e["reason"] == "ClaimKept"]
+    assert warnings and "cannot shrink" in warnings[0] and "accessModes" in warnings[0], warnings
+    assert "ApplyFailed" not in operator.log_text()
+
+
 def test_invalid_spec_that_passes_admission_reports_why(control_plane, cp_namespace, operator):
     """tensor 16 is valid API-wise but exceeds one node's GPUs (the operator's --gpus-per-node 8): Degraded."""
     ns = cp_namespace

@@ -286,3 +286,49 @@ def test_plan_events():
     todo = plan([changed], {("Deployment", "d"): dep})
     assert [e[1] for e in todo.events] == ["Scaled", "RollingOut"]
     assert plan([dep], {("Deployment", "d"): dep}).apply == []
+
+
+def _claim(storage: str, status: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    claim = {
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "weights"},
+        "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": storage}}, **spec},
+    }
+    if status is not None:
+        claim["status"] = status
+    return claim
+
+
+def _storage(todo) -> list[str]:
+    return [o["spec"]["resources"]["requests"]["storage"] for o in todo.apply]
+
+
+def _warnings(todo) -> list[str]:
+    return [e[2] for e in todo.events if e[:2] == ("Warning", "ClaimKept")]
+
+
+def test_a_claim_keeps_what_kubernetes_cannot_change_and_says_so():
+    key = ("PersistentVolumeClaim", "weights")
+    bound = {"phase": "Bound", "capacity": {"storage": "100Gi"}}
+    existing = _claim("40Gi", bound, storageClassName="fast", volumeMode="Filesystem")
+    # Growing a bound claim past what its volume holds is applied; a class the API server defaulted is no change.
+    assert _storage(plan([_claim("200Gi")], {key: existing})) == ["200Gi"]
+    # Growing within what the volume already holds needs no resize (a static volume could not resize at all).
+    assert plan([_claim("60Gi")], {key: existing}).apply == []
+    # Shrinking is never applied (the API server would refuse it at every reconcile): a Warning says so.
+    smaller = plan([_claim("1Ki")], {key: existing})
+    assert smaller.apply == [] and len(_warnings(smaller)) == 1
+    assert "40Gi" in _warnings(smaller)[0] and "cannot shrink" in _warnings(smaller)[0]
+    # A claim still Pending cannot be resized at all.
+    pending = plan([_claim("60Gi")], {key: _claim("40Gi", {"phase": "Pending"})})
+    assert pending.apply == [] and "until it is bound" in _warnings(pending)[0]
+    # Fixed fields keep their value; a change to another field is still applied, with the kept ones.
+    changed = _claim("300Gi", accessModes=["ReadWriteOnce"], storageClassName="slow")
+    todo = plan([changed], {key: existing})
+    [applied] = todo.apply
+    assert applied["spec"]["accessModes"] == ["ReadWriteMany"] and applied["spec"]["storageClassName"] == "fast"
+    assert applied["spec"]["resources"]["requests"]["storage"] == "300Gi"
+    assert "accessModes" in _warnings(todo)[0] and "storageClassName fast" in _warnings(todo)[0]
+    assert changed["spec"]["accessModes"] == ["ReadWriteOnce"]  # the desired object itself is left as built
+    # A claim that does not exist yet is created as the spec says.
+    assert _storage(plan([_claim("1Ki")], {})) == ["1Ki"]
