@@ -14,7 +14,9 @@ unchanged (a PDB's status, our own write echoed back) is dropped without waking 
 Invariants: a stored object is replaced only by one with a newer resourceVersion (when both are the
 integers etcd issues), so the write-through of an apply response is never undone by the late watch
 event of an older version; `on_change(namespace, service)` is called for every stored change of an
-object labelled with that service (or of the InferenceService itself).
+object labelled with that service (or of the InferenceService itself); a child is stored once, under
+the service its label names now (a relabelled child moves, and both services hear of it), and `find`
+reaches it by kind and name whatever its label (a cache claim several services share).
 """
 
 from __future__ import annotations
@@ -158,6 +160,7 @@ class Store:
         self.children: dict[Key, dict[tuple[str, str], Cached]] = {}  # (ns, service) -> (kind, name) -> obj
         self.pods: dict[Key, dict[str, PodInfo]] = {}  # (ns, service) -> pod name -> info
         self._pod_owner: dict[Key, str] = {}  # (ns, pod) -> service
+        self._child_owner: dict[tuple[str, str, str], str] = {}  # (kind, ns, name) -> service it is stored under
         self._pod_rv: dict[Key, str] = {}
         # (kind, ns, name) -> resourceVersion at deletion: an apply or status response that raced the
         # deletion must not bring the object back. Bounded; the oldest entries go first.
@@ -173,6 +176,11 @@ class Store:
     def children_of(self, key: Key, uid: str) -> dict[tuple[str, str], Cached]:
         """Children labelled with the service and owned by this incarnation of it (its uid)."""
         return {k: c for k, c in (self.children.get(key) or {}).items() if uid in c.owner_uids}
+
+    def find(self, kind: str, namespace: str, name: str) -> Cached | None:
+        """A stored child by kind and name, whichever service its label names."""
+        owner = self._child_owner.get((kind, namespace, name))
+        return None if owner is None else (self.children.get((namespace, owner)) or {}).get((kind, name))
 
     def pods_of(self, key: Key) -> list[PodInfo]:
         return list((self.pods.get(key) or {}).values())
@@ -208,13 +216,25 @@ class Store:
         else:
             if not item.owner:
                 return
-            bucket = self.children.setdefault(key, {})
-            old = bucket.get((kind, item.name))
+            index = (kind, item.namespace, item.name)
+            old = self.find(*index)
             if old is not None and not _newer(item.resource_version, old.resource_version):
                 return
-            bucket[(kind, item.name)] = item
+            before = self._child_owner.get(index)
+            if before is not None and before != item.owner:  # relabelled: it leaves the other service
+                self._drop_child(kind, item.namespace, item.name, before)
+                old = None
+            self.children.setdefault(key, {})[(kind, item.name)] = item
+            self._child_owner[index] = item.owner
         if old is None or old.raw != item.raw:
             self.on_change(*key)
+
+    def _drop_child(self, kind: str, namespace: str, name: str, owner: str) -> None:
+        bucket = self.children.get((namespace, owner)) or {}
+        if bucket.pop((kind, name), None) is not None:
+            if not bucket:
+                self.children.pop((namespace, owner), None)
+            self.on_change(namespace, owner)
 
     def delete(self, obj: dict[str, Any]) -> None:
         kind, meta = obj["kind"], obj["metadata"]
@@ -233,12 +253,9 @@ class Store:
             if self.services.pop((namespace, name), None) is not None:
                 self.on_change(namespace, name)
             return
-        owner = (meta.get("labels") or {}).get(LABEL_SERVICE, "")
-        bucket = self.children.get((namespace, owner)) or {}
-        if bucket.pop((kind, name), None) is not None:
-            if not bucket:
-                self.children.pop((namespace, owner), None)
-            self.on_change(namespace, owner)
+        owner = self._child_owner.pop((kind, namespace, name), None)
+        if owner is not None:
+            self._drop_child(kind, namespace, name, owner)
 
     def _put_pod(self, obj: dict[str, Any]) -> None:
         meta = obj["metadata"]
@@ -273,11 +290,10 @@ class Store:
             return {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
         if kind == "Pod":
             return {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
-        for (ns, owner), bucket in self.children.items():
-            if ns == namespace and (kind, name) in bucket:
-                labels = {LABEL_SERVICE: owner}
-                return {"kind": kind, "metadata": {"namespace": namespace, "name": name, "labels": labels}}
-        return None
+        owner = self._child_owner.get((kind, namespace, name))
+        if owner is None:
+            return None
+        return {"kind": kind, "metadata": {"namespace": namespace, "name": name, "labels": {LABEL_SERVICE: owner}}}
 
 
 class Informer:

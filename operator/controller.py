@@ -40,6 +40,7 @@ from tidepool.operator.api import InferenceServiceStatus, now_rfc3339
 from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas, is_autoscaled
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store, compact
+from tidepool.operator.claims import with_shared_claims
 from tidepool.operator.events import EventRecorder
 from tidepool.operator.features import detect_features, refused_optional, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
@@ -324,7 +325,8 @@ class Controller:
                 await self._invalid(key, body, previous, str(exc).replace("\n", " "))
                 return
             observed = {k: c.body() for k, c in children.items()}
-            todo = plan(desired.children, observed)
+            observed = with_shared_claims(observed, desired.children, lambda kind, name: self._found(key, kind, name))
+            todo = plan(desired.children, observed, uid)
             if todo.deferred:  # a mode or topology switch: make before break
                 before, _ = observe(desired, {k: v for k, v in observed.items() if k[0] in WORKLOAD_KINDS}, pods)
                 held_router = hold_router(todo, desired, observed, all(p.is_serving_current for p in before))
@@ -333,7 +335,9 @@ class Controller:
                 self.recheck_features.set()  # its CRD may be gone: discovery now, not at the next period
             for child, obj in applied.items():
                 self.store.put(obj)
-                versions[child] = compact(obj).version
+                item = compact(obj)
+                if item.owner == key[1] and uid in item.owner_uids:  # not a claim filed under another service
+                    versions[child] = item.version
             await asyncio.gather(*(self.client.delete(o) for o in todo.prune))
             for obj in todo.prune:
                 self.store.delete({"kind": obj["kind"], "metadata": obj["metadata"]})
@@ -379,6 +383,10 @@ class Controller:
             await self.events.post(body, type_, reason, message)
         if error:
             raise ApiError(422, error, "ApplyFailed")  # retried with backoff; status already says why
+
+    def _found(self, key: Key, kind: str, name: str) -> dict[str, Any] | None:
+        found = self.store.find(kind, key[0], name)
+        return None if found is None else found.body()
 
     async def _write(
         self, key: Key, body: dict[str, Any], previous: InferenceServiceStatus, status: InferenceServiceStatus

@@ -4,13 +4,12 @@ desire: `desire()` validates the spec and runs the pure builders into `Desired` 
         pool's `PoolLayout`); replicas come from the autoscaler's decision in status when it acts.
 plan:   `plan()` (pure) compares the desired children with the observed ones from the caches: a
         child is applied when missing or when any field the operator sets differs (hand edits
-        included; quantities compared by value, so `500m` == `0.5`). An existing cache claim keeps
-        what Kubernetes cannot change (it is resized only when bound, only upwards and only past
-        what its volume holds; access modes, class and volume mode are fixed at creation), with a
-        Warning Event saying so at each full reconcile while it lasts, instead of an apply refused
-        again and again. An owned child no longer desired is pruned at once, except make-before-
-        break: children of a pool being replaced (mode switch, a Deployment becoming StatefulSet
-        groups or back) stay until every new pool serves.
+        included; quantities compared by value, so `500m` == `0.5`). A cache claim is planned as
+        claims.py says (what Kubernetes cannot change is kept; a claim several services name is
+        shared, and released rather than deleted while others own it). An owned child no longer
+        desired is pruned at once, except make-before-break: children of a pool being replaced
+        (mode switch, a Deployment becoming StatefulSet groups or back) stay until every new pool
+        serves.
 apply:  server-side apply with one field manager (`tidepool-operator`, force), config and RBAC
         before Services and workloads; the answers are written through to the cache.
 status: `observe()` counts replicas from the cached pods and workloads; `write_status()` merge-patches
@@ -23,7 +22,6 @@ No sleeps, no module-level state; the clock comes in as `now`.
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +29,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tidepool.operator.api import API_VERSION, KIND, POOL_NAMES, InferenceService, InferenceServiceStatus, validate_spec
-from tidepool.operator.api.quantity import quantity_value, same_quantity
+from tidepool.operator.api.quantity import same_quantity
 from tidepool.operator.builders import (
     KIND_ORDER,
     LABEL_POOL,
@@ -46,6 +44,7 @@ from tidepool.operator.builders import (
     router_url,
 )
 from tidepool.operator.cache import PodInfo
+from tidepool.operator.claims import claim_as_it_can_be, released_claim, shared_claim
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.status import PoolLayout, PoolObservation, observe_pool, pods_per_replica, template_hash
 
@@ -56,7 +55,6 @@ LEGACY_ANNOTATIONS = tuple(
 )
 QUANTITY_MAPS = ("requests", "limits")  # container resources, PVC storage: every value is a quantity
 ROUTER = "router"
-CLAIM_FIXED_FIELDS = ("accessModes", "storageClassName", "volumeMode")  # immutable once a claim exists
 ChildKey = tuple[str, str]  # (kind, name)
 
 
@@ -170,47 +168,16 @@ def _replaced(obj: Mapping[str, Any], kind_of_pool: Mapping[str, str]) -> bool:
     return not (obj["kind"] == "StatefulSet" == kind_of_pool[pool])  # same-kind groups: a scale-down
 
 
-def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The desired claim with what the existing one cannot change kept as it is, and what was kept (for a Warning).
-
-    Kubernetes resizes bound claims only, and only upwards (an expandable StorageClass may still refuse, which the
-    apply then reports): a smaller size, or any size before the claim is bound, keeps the claim's own request; a
-    larger one the bound volume already holds needs no resize. accessModes, storageClassName and volumeMode are
-    fixed at creation."""
-    spec, old = desired["spec"], observed.get("spec") or {}
-    status = observed.get("status") or {}
-    kept_spec, kept = copy.deepcopy(spec), []
-    want = spec["resources"]["requests"]["storage"]
-    have = ((old.get("resources") or {}).get("requests") or {}).get("storage")
-    if have is not None and quantity_value(want) != quantity_value(have):
-        capacity = (status.get("capacity") or {}).get("storage")
-        room = max(quantity_value(have), quantity_value(capacity) if capacity else 0)
-        bound = status.get("phase") == "Bound"
-        if not (bound and quantity_value(want) > room):
-            kept_spec["resources"]["requests"]["storage"] = have
-            if quantity_value(want) < quantity_value(have):
-                kept.append(f"its {have} (a claim cannot shrink to {want})")
-            elif not bound:
-                kept.append(
-                    f"its {have} until it is bound (Kubernetes resizes bound claims only; the spec asks {want})"
-                )
-    for name in CLAIM_FIXED_FIELDS:
-        if name in spec and name in old and not contains(old[name], spec[name]):
-            kept_spec[name] = old[name]
-            kept.append(f"{name} {old[name]} (fixed at creation; the spec asks {spec[name]})")
-    changed = kept or kept_spec != spec
-    return ({**desired, "spec": kept_spec} if changed else desired), kept
-
-
-def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[str, Any]]) -> Plan:
-    """What to apply and prune, and the Events worth telling the user. Pure."""
+def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[str, Any]], uid: str = "") -> Plan:
+    """What to apply and prune, and the Events worth telling the user. Pure. `uid`: the service's own, so that
+    a cache claim other services still own is released, not deleted."""
     out = Plan()
     wanted = {_key(d) for d in desired}
     created = []
     for obj in desired:
         old = observed.get(_key(obj))
         if old is not None and obj["kind"] == "PersistentVolumeClaim":
-            obj, kept = claim_as_it_can_be(obj, old)
+            obj, kept = claim_as_it_can_be(shared_claim(obj, old), old)
             if kept:
                 out.events.append(
                     (
@@ -245,7 +212,19 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
     }
     for key, obj in sorted(observed.items(), key=lambda kv: (KIND_ORDER.index(kv[0][0]), kv[0][1])):
         if key not in wanted:
-            (out.deferred if _replaced(obj, kind_of_pool) else out.prune).append(dict(obj))
+            release = released_claim(obj, uid) if key[0] == "PersistentVolumeClaim" else None
+            if release is not None:
+                out.apply.append(release)
+                out.events.append(
+                    (
+                        "Normal",
+                        "ClaimReleased",
+                        f"PersistentVolumeClaim {key[1]}: still used by "
+                        "other InferenceServices; this one's reference removed, the claim kept",
+                    )
+                )
+            else:
+                (out.deferred if _replaced(obj, kind_of_pool) else out.prune).append(dict(obj))
     return out
 
 

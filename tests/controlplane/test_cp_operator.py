@@ -237,6 +237,38 @@ def test_a_cache_claim_keeps_what_kubernetes_cannot_change(control_plane, cp_nam
     assert "ApplyFailed" not in operator.log_text()
 
 
+def test_two_services_share_a_cache_claim_and_it_goes_with_the_last(control_plane, cp_namespace, operator):
+    """Two InferenceServices naming one operator-created claim: both own it (neither apply takes the other's
+    reference away), deleting the one that created it keeps it for the other, and it goes with the last."""
+    ns = cp_namespace
+    first, second = load_example("inferenceservice-unified.yaml"), load_example("inferenceservice-unified.yaml")
+    first["metadata"]["name"], second["metadata"]["name"] = "first", "second"
+    second["spec"]["modelCache"]["persistentVolumeClaim"]["accessModes"] = ["ReadWriteOnce"]  # kept as created
+    claim = first["spec"]["modelCache"]["persistentVolumeClaim"]["claimName"]
+    apply_isvc(control_plane, ns, first)
+    wait_ready(control_plane, ns, "first")
+    apply_isvc(control_plane, ns, second)
+    wait_ready(control_plane, ns, "second")
+
+    def pvc() -> dict[str, Any] | None:
+        out = control_plane.kubectl("get", "pvc", claim, "-n", ns, "-o", "json", check=False)
+        return json.loads(out.stdout) if out.returncode == 0 else None
+
+    def owners() -> list[str]:
+        return sorted(r["name"] for r in ((pvc() or {}).get("metadata", {}).get("ownerReferences") or []))
+
+    wait_until(lambda: owners() == ["first", "second"], 60, "both services own the claim")
+    assert pvc()["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert any(e["reason"] == "ClaimKept" for e in events_of(control_plane, ns, "second"))
+    control_plane.kubectl("delete", "inferenceservice", "first", "-n", ns, "--wait=true", "--timeout=60s", timeout=70)
+    wait_until(lambda: owners() == ["second"], 90, "the claim kept for the service still using it")
+    obj = get_isvc(control_plane, ns, "second")
+    assert is_ready(obj) and (condition(obj, "Degraded") or {}).get("status") != "True", obj["status"]
+    control_plane.kubectl("delete", "inferenceservice", "second", "-n", ns, "--wait=true", "--timeout=60s", timeout=70)
+    wait_until(lambda: pvc() is None or pvc()["metadata"].get("deletionTimestamp"), 90, "the claim goes with the last")
+    assert "ApplyFailed" not in operator.log_text()
+
+
 def test_invalid_spec_that_passes_admission_reports_why(control_plane, cp_namespace, operator):
     """tensor 16 is valid API-wise but exceeds one node's GPUs (the operator's --gpus-per-node 8): Degraded."""
     ns = cp_namespace
