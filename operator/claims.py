@@ -51,9 +51,12 @@ def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> 
                     f"its {have} until it is bound (Kubernetes resizes bound claims only; the spec asks {want})"
                 )
     for name in CLAIM_FIXED_FIELDS:
-        if name in spec and name in old and old[name] != spec[name]:
+        if name in old and old[name] != spec.get(name):
+            # Also when the spec leaves it out: the field manager that set it (this operator, for whichever
+            # service created the claim) would otherwise remove it, which is a change the API server refuses.
             kept_spec[name] = old[name]
-            kept.append(f"{name} {old[name]} (fixed at creation; the spec asks {spec[name]})")
+            if name in spec:
+                kept.append(f"{name} {old[name]} (fixed at creation; the spec asks {spec[name]})")
     changed = kept or kept_spec != spec
     return ({**desired, "spec": kept_spec} if changed else desired), kept
 

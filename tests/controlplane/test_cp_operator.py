@@ -243,11 +243,26 @@ def test_two_services_share_a_cache_claim_and_it_goes_with_the_last(control_plan
     ns = cp_namespace
     first, second = load_example("inferenceservice-unified.yaml"), load_example("inferenceservice-unified.yaml")
     first["metadata"]["name"], second["metadata"]["name"] = "first", "second"
-    second["spec"]["modelCache"]["persistentVolumeClaim"]["accessModes"] = ["ReadWriteOnce"]  # kept as created
+    first["spec"]["modelCache"]["persistentVolumeClaim"]["storageClassName"] = "fast"
+    # Other access modes and no class: both stay as the claim was created (neither can change).
+    second["spec"]["modelCache"]["persistentVolumeClaim"]["accessModes"] = ["ReadWriteOnce"]
     claim = first["spec"]["modelCache"]["persistentVolumeClaim"]["claimName"]
-    apply_isvc(control_plane, ns, first)
+    pv = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"pv-{ns}-shared"[:63]},
+        "spec": {
+            "capacity": {"storage": "1Ti"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "fast",
+            "claimRef": {"namespace": ns, "name": claim},
+            "csi": {"driver": "fake.csi.tidepool.dev", "volumeHandle": f"{ns}-shared"},
+        },
+    }
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(first))
     wait_ready(control_plane, ns, "first")
-    apply_isvc(control_plane, ns, second)
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(second))
     wait_ready(control_plane, ns, "second")
 
     def pvc() -> dict[str, Any] | None:
@@ -258,7 +273,7 @@ def test_two_services_share_a_cache_claim_and_it_goes_with_the_last(control_plan
         return sorted(r["name"] for r in ((pvc() or {}).get("metadata", {}).get("ownerReferences") or []))
 
     wait_until(lambda: owners() == ["first", "second"], 60, "both services own the claim")
-    assert pvc()["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc()["spec"]["accessModes"] == ["ReadWriteMany"] and pvc()["spec"]["storageClassName"] == "fast"
     assert any(e["reason"] == "ClaimKept" for e in events_of(control_plane, ns, "second"))
     control_plane.kubectl("delete", "inferenceservice", "first", "-n", ns, "--wait=true", "--timeout=60s", timeout=70)
     wait_until(lambda: owners() == ["second"], 90, "the claim kept for the service still using it")

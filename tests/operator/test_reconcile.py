@@ -311,8 +311,12 @@ def test_a_claim_keeps_what_kubernetes_cannot_change_and_says_so():
     key = ("PersistentVolumeClaim", "weights")
     bound = {"phase": "Bound", "capacity": {"storage": "100Gi"}}
     existing = _claim("40Gi", bound, storageClassName="fast", volumeMode="Filesystem")
-    # Growing a bound claim past what its volume holds is applied; a class the API server defaulted is no change.
-    assert _storage(plan([_claim("200Gi")], {key: existing})) == ["200Gi"]
+    # Growing a bound claim past what its volume holds is applied, without a Warning.
+    [grown] = plan([_claim("200Gi")], {key: existing}).apply
+    assert grown["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    # ... and the fixed fields go along as they are: an apply leaving out a field this operator set would remove it.
+    assert grown["spec"]["storageClassName"] == "fast" and grown["spec"]["volumeMode"] == "Filesystem"
+    assert not _warnings(plan([_claim("200Gi")], {key: existing}))
     # Growing within what the volume already holds needs no resize (a static volume could not resize at all).
     assert plan([_claim("60Gi")], {key: existing}).apply == []
     # Shrinking is never applied (the API server would refuse it at every reconcile): a Warning says so.
