@@ -191,6 +191,7 @@ POD_CASES: tuple[Case, ...] = (
         "accessModes: Required value",
         "field",
     ),
+    Case("image-blank", set_path("spec.engine.image", " "), "image in body should match", "field"),
     Case(
         "gpu-product", set_path("spec.resources.gpuProduct", "NVIDIA H100"), "gpuProduct in body should match", "field"
     ),

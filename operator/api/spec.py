@@ -68,7 +68,7 @@ class Speculative(ApiModel):
 class EngineSpec(ApiModel):
     """The Tidepool engine each replica runs (`tidepool serve` flags)."""
 
-    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = Field(
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^\S+$")] | None = Field(
         default=None,
         description=(
             "Container image holding the `tidepool` engine; unset: the operator's default engine image "
