@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -143,9 +144,30 @@ class NodeLeaseKeeper:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports below the kernel's ephemeral range, so that no outgoing connection (which
+    takes its local port from that range) grabs one between this check and the server's bind, and every socket
+    stays bound until all are chosen (two port-0 binds in a row may return one port). A collision killed the
+    chaos test's operator at start once (its health server: address already in use)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < count:
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", rng.randrange(10_000, low)))
+            except OSError:
+                sock.close()
+                continue
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 class OperatorProcess:
@@ -166,12 +188,16 @@ class OperatorProcess:
         args = [str(TIDEPOOL), "operator", "--kubeconfig", str(self.kubeconfig)]
         for ns in self.namespaces:
             args += ["-n", ns]
-        args += ["--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # the token kubeconfig only
+        fixed = env.get("TIDEPOOL_OPERATOR_METRICS_PORT")  # a test that reads the metrics sets it
+        # Distinct ports (an operator whose liveness and metrics ports collide dies at start); one of three may
+        # be the fixed metrics port, two others remain.
+        liveness_port, spare = [p for p in free_ports(3) if str(p) != fixed][:2]
+        self.metrics_port = int(fixed) if fixed else spare
+        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = str(self.metrics_port)
+        args += ["--liveness", f"http://127.0.0.1:{liveness_port}/healthz"]
         args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
         args += list(self.extra_args)
-        self.metrics_port = free_port()
-        env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}  # the token kubeconfig only
-        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = env.get("TIDEPOOL_OPERATOR_METRICS_PORT") or str(self.metrics_port)
         with open(self.log, "ab") as fh:
             fh.write(f"---- start {self.num_starts}: {' '.join(args)}\n".encode())
             fh.flush()

@@ -26,7 +26,7 @@ from controlplane.test_cp_operator_support import (
     LEASE_NAME,
     OPERATOR_NAMESPACE,
     condition,
-    free_port,
+    free_ports,
     get_isvc,
     install_crd,
     is_ready,
@@ -52,12 +52,13 @@ class Operator:
         args = [str(TIDEPOOL), "operator", "--kubeconfig", str(kubeconfig)]
         for ns in namespaces:
             args += ["-n", ns]
-        args += ["--liveness", f"http://127.0.0.1:{free_port()}/healthz"]
+        liveness_port, metrics_port = free_ports(2)  # distinct: a collision kills the operator at start
+        args += ["--liveness", f"http://127.0.0.1:{liveness_port}/healthz"]
         # The Lease the chart's leader-election Role lets its ServiceAccount renew (production: the chart's
         # Deployment passes the same two flags).
         args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
         env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "TIDEPOOL_AUTOSCALE_INTERVAL")}
-        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = str(free_port())  # never a fixed port a neighbour may hold
+        env["TIDEPOOL_OPERATOR_METRICS_PORT"] = str(metrics_port)  # never a fixed port a neighbour may hold
         self.log = log
         with open(log, "ab") as fh:
             self.proc = subprocess.Popen(args, cwd="/tmp", stdout=fh, stderr=subprocess.STDOUT, env=env)
