@@ -247,19 +247,7 @@ def test_two_services_share_a_cache_claim_and_it_goes_with_the_last(control_plan
     # Other access modes and no class: both stay as the claim was created (neither can change).
     second["spec"]["modelCache"]["persistentVolumeClaim"]["accessModes"] = ["ReadWriteOnce"]
     claim = first["spec"]["modelCache"]["persistentVolumeClaim"]["claimName"]
-    pv = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"pv-{ns}-shared"[:63]},
-        "spec": {
-            "capacity": {"storage": "1Ti"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "fast",
-            "claimRef": {"namespace": ns, "name": claim},
-            "csi": {"driver": "fake.csi.tidepool.dev", "volumeHandle": f"{ns}-shared"},
-        },
-    }
-    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(pv))
+    bind_claims(control_plane, ns, [claim], storage_class="fast")
     control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(first))
     wait_ready(control_plane, ns, "first")
     control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(second))

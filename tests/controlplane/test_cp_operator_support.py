@@ -241,8 +241,9 @@ def claims_in(spec: dict[str, Any]) -> list[str]:
     return [claim["claimName"]] if claim.get("size") else []
 
 
-def bind_claims(cluster, namespace: str, claims: list[str]) -> None:
-    """Pre-bound PersistentVolumes for claims the operator creates (the dev cluster has no provisioner)."""
+def bind_claims(cluster, namespace: str, claims: list[str], storage_class: str = "") -> None:
+    """Pre-bound PersistentVolumes for claims the operator creates (the dev cluster has no provisioner); a claim
+    naming a StorageClass binds only to a volume of that class."""
     for claim in claims:
         pv = {
             "apiVersion": "v1",
@@ -252,7 +253,7 @@ def bind_claims(cluster, namespace: str, claims: list[str]) -> None:
                 "capacity": {"storage": "1Ti"},
                 "accessModes": ["ReadWriteMany"],
                 "persistentVolumeReclaimPolicy": "Delete",
-                "storageClassName": "",
+                "storageClassName": storage_class,
                 "claimRef": {"namespace": namespace, "name": claim},
                 "csi": {"driver": "fake.csi.tidepool.dev", "volumeHandle": f"{namespace}-{claim}"},
             },
