@@ -38,13 +38,14 @@ def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> 
     kept_spec, kept = copy.deepcopy(spec), []
     want = spec["resources"]["requests"]["storage"]
     have = ((old.get("resources") or {}).get("requests") or {}).get("storage")
-    if have is not None and quantity_value(want) != quantity_value(have):
+    wanted, held = quantity_value(want), quantity_value(have) if have is not None else None
+    if held is not None and wanted != held:
         capacity = (status.get("capacity") or {}).get("storage")
-        room = max(quantity_value(have), quantity_value(capacity) if capacity else 0)
+        room = max(held, quantity_value(capacity) if capacity else 0)
         bound = status.get("phase") == "Bound"
-        if not (bound and quantity_value(want) > room):
+        if not (bound and wanted > room):
             kept_spec["resources"]["requests"]["storage"] = have
-            if quantity_value(want) < quantity_value(have):
+            if wanted < held:
                 kept.append(f"its {have} (a claim cannot shrink to {want})")
             elif not bound:
                 kept.append(

@@ -42,6 +42,7 @@ def _wire(model: type[BaseModel], fields: tuple[str, ...]) -> list[str]:
 
 _ENV_SOURCES = ("secret_key_ref", "config_map_key_ref", "field_ref", "resource_field_ref")
 _ENV_FROM = ("secret_ref", "config_map_ref")
+_FILE_SOURCES = ("field_ref", "resource_field_ref")
 _ALLOWED = ", ".join(_wire(k.Volume, k.VOLUME_SOURCES))
 _RESERVED_ENV = ", ".join((*p.RESERVED_ENV_NAMES, *(f"{x}*" for x in p.RESERVED_ENV_PREFIXES)))
 
@@ -268,9 +269,9 @@ POD_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         k.DownwardAPIFile,
-        "(has(self.fieldRef) ? 1 : 0) + (has(self.resourceFieldRef) ? 1 : 0) == 1",
+        _cel_count(_wire(k.DownwardAPIFile, _FILE_SOURCES)) + " == 1",
         "a downwardAPI item needs exactly one of fieldRef or resourceFieldRef",
-        lambda f: (f.field_ref is None) != (f.resource_field_ref is None),
+        lambda f: _count(f, list(_FILE_SOURCES)) == 1,
     ),
     Rule(
         k.DownwardAPIFile,
