@@ -13,8 +13,10 @@ unchanged (a PDB's status, our own write echoed back) is dropped without waking 
 
 Invariants: a stored object is replaced only by one with a newer resourceVersion (when both are the
 integers etcd issues), so the write-through of an apply response is never undone by the late watch
-event of an older version; `on_change(namespace, service)` is called for every stored change of an
-object labelled with that service (or of the InferenceService itself); a child is stored once, under
+event of an older version; `on_change(namespace, service, full)` is called for every stored change of
+an object labelled with that service (or of the InferenceService itself), and with full=True for the
+other services in a changed child's ownerReferences (a shared claim: their fast path cannot see it,
+so they compare it in full); a child is stored once, under
 the service its label names now (a relabelled child moves, and both services hear of it), and `find`
 reaches it by kind and name whatever its label (a cache claim several services share).
 """
@@ -60,6 +62,7 @@ class Cached:
     uid: str
     owner: str  # the InferenceService it belongs to (its label; its own name for an InferenceService)
     owner_uids: tuple[str, ...]
+    co_owners: tuple[str, ...]  # other InferenceServices in its ownerReferences (a shared cache claim)
     resource_version: str
     version: str  # changes when anything the operator sets may have changed
     raw: bytes
@@ -138,13 +141,16 @@ def compact(obj: dict[str, Any]) -> Cached:
     rv = meta.get("resourceVersion", "")
     # Workloads and PDBs: status churn leaves generation alone; labels count (selectors, spec hash).
     version = f"g{meta.get('generation', 0)}:{json.dumps(labels, sort_keys=True)}" if kind in GENERATION_KINDS else rv
+    owner = meta["name"] if kind == SERVICE_KIND else labels.get(LABEL_SERVICE, "")
+    refs = meta.get("ownerReferences") or []
     return Cached(
         kind=kind,
         namespace=meta.get("namespace", ""),
         name=meta["name"],
         uid=meta.get("uid", ""),
-        owner=meta["name"] if kind == SERVICE_KIND else labels.get(LABEL_SERVICE, ""),
-        owner_uids=tuple(r.get("uid", "") for r in meta.get("ownerReferences") or []),
+        owner=owner,
+        owner_uids=tuple(r.get("uid", "") for r in refs),
+        co_owners=tuple(sorted({r["name"] for r in refs if r.get("kind") == SERVICE_KIND and r.get("name") != owner})),
         resource_version=rv,
         version=version,
         raw=raw,
@@ -154,8 +160,8 @@ def compact(obj: dict[str, Any]) -> Cached:
 class Store:
     """Everything the informers saw, indexed by the InferenceService each object belongs to."""
 
-    def __init__(self, on_change: Callable[[str, str], None]) -> None:
-        self.on_change = on_change
+    def __init__(self, on_change: Callable[[str, str, bool], None]) -> None:
+        self.on_change = on_change  # (namespace, service, full)
         self.services: dict[Key, Cached] = {}
         self.children: dict[Key, dict[tuple[str, str], Cached]] = {}  # (ns, service) -> (kind, name) -> obj
         self.pods: dict[Key, dict[str, PodInfo]] = {}  # (ns, service) -> pod name -> info
@@ -227,14 +233,23 @@ class Store:
             self.children.setdefault(key, {})[(kind, item.name)] = item
             self._child_owner[index] = item.owner
         if old is None or old.raw != item.raw:
-            self.on_change(*key)
+            self.on_change(*key, False)
+            self._wake_co_owners(item, old)
+
+    def _wake_co_owners(self, item: Cached, old: Cached | None = None) -> None:
+        """The other services that own a shared child (and any that just stopped owning it), for a full
+        reconcile: the child is filed under another service's label, so their fast path cannot see it."""
+        for name in sorted({*item.co_owners, *(old.co_owners if old is not None else ())}):
+            self.on_change(item.namespace, name, True)
 
     def _drop_child(self, kind: str, namespace: str, name: str, owner: str) -> None:
         bucket = self.children.get((namespace, owner)) or {}
-        if bucket.pop((kind, name), None) is not None:
+        dropped = bucket.pop((kind, name), None)
+        if dropped is not None:
             if not bucket:
                 self.children.pop((namespace, owner), None)
-            self.on_change(namespace, owner)
+            self.on_change(namespace, owner, False)
+            self._wake_co_owners(dropped)
 
     def delete(self, obj: dict[str, Any]) -> None:
         kind, meta = obj["kind"], obj["metadata"]
@@ -247,11 +262,11 @@ class Store:
             owner = self._pod_owner.pop((namespace, name), None)
             self._pod_rv.pop((namespace, name), None)
             if owner is not None and (self.pods.get((namespace, owner)) or {}).pop(name, None) is not None:
-                self.on_change(namespace, owner)
+                self.on_change(namespace, owner, False)
             return
         if kind == SERVICE_KIND:
             if self.services.pop((namespace, name), None) is not None:
-                self.on_change(namespace, name)
+                self.on_change(namespace, name, False)
             return
         owner = self._child_owner.pop((kind, namespace, name), None)
         if owner is not None:
@@ -271,7 +286,7 @@ class Store:
         bucket = self.pods.setdefault((namespace, owner), {})
         if bucket.get(name) != info:
             bucket[name] = info
-            self.on_change(namespace, owner)
+            self.on_change(namespace, owner, False)
 
     def keys_in_scope(self, kind: str, namespace: str | None) -> Iterator[tuple[str, str]]:
         """(namespace, name) of every stored object of `kind` (in `namespace`, or all)."""

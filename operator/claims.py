@@ -6,7 +6,7 @@ Invariants:
 - What Kubernetes cannot change is never applied (the API server would refuse it at every reconcile, and the
   rest of the spec would not roll out): a claim is resized only when bound, only upwards and only past what
   its volume already holds; accessModes, storageClassName and volumeMode are fixed at creation. What was
-  kept is said (a ClaimKept Warning, at each full reconcile while it lasts).
+  kept is said (a ClaimKept Warning, once while it lasts: sync.py).
 - A claim several InferenceServices name is shared: it keeps the service label of the one that created it
   (the caches file it there; the others find it by name), and every service adds its owner reference
   (non-controller), so no apply takes another service's reference away and the garbage collector deletes

@@ -1,7 +1,7 @@
 """The InferenceService controller's runtime: caches fed by watches, a work queue, workers.
 
 Informers (cache.py) keep every InferenceService and every labelled child and pod in memory and
-call `_on_change(namespace, service)` on each change, which queues the service's key. Workers take
+call `_on_change(namespace, service, full)` on each change, which queues the service's key. Workers take
 keys from the queue (one worker per key at a time; triggers coalesce) and run `sync(key)`, the
 per-key reconcile (sync.py). Around them: the resync loop (every key gets a full reconcile every
 `resync_seconds`, jittered: the safety net for anything a watch could miss), the feature loop
@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -34,18 +35,24 @@ logger = logging.getLogger("tidepool.operator")
 
 
 class Controller(ServiceSync):
-    def __init__(self, client: KubeClient, options: ControllerOptions, namespaces: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        options: ControllerOptions,
+        namespaces: list[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # Keys reconciled before go first: their triggers finish work in progress (see workqueue.py).
-        queue = WorkQueue(is_known=lambda key: key in self.verified)
-        super().__init__(client, options, Store(self._on_change), queue)
+        queue = WorkQueue(clock=clock, is_known=lambda key: key in self.verified)
+        super().__init__(client, options, Store(self._on_change), queue, clock)
         self.namespaces: list[str | None] = list(namespaces) if namespaces else [None]
         self.informers: dict[tuple[str, str | None], Informer] = {}
         self._tasks: list[asyncio.Task] = []
         self.is_synced = False
 
     # ---- wiring ------------------------------------------------------------------------------
-    def _on_change(self, namespace: str, name: str) -> None:
-        self.queue.add((namespace, name))
+    def _on_change(self, namespace: str, name: str, full: bool) -> None:
+        self.queue.add((namespace, name), full)
 
     def _start_informer(self, kind: str) -> list[Informer]:
         started = []

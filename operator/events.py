@@ -1,9 +1,8 @@
 """Kubernetes Events about an InferenceService (core/v1), posted by the controller itself.
 
 Only real transitions become Events (children created, scaled, rolled out, drift corrected, pruned,
-an invalid spec, a refused apply, autoscaler decisions); waiting for pods never does. One exception: a
-cache claim that keeps what the spec cannot change (ClaimKept) is told at each full reconcile while it
-lasts, a Warning at most once per resync period when nothing else changes. Posting is
+an invalid spec, a refused apply, autoscaler decisions, a cache claim that starts keeping what the spec
+cannot change: ClaimKept, told once while it lasts); waiting for pods never does. Posting is
 best effort: a refused or failed post is logged and never fails a reconcile. The requests go through
 the operator's client, so they count against its QPS budget like everything else.
 """

@@ -325,6 +325,18 @@ def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatu
     return patch
 
 
+def is_routine(previous: InferenceServiceStatus, status: InferenceServiceStatus) -> bool:
+    """True when only counts and condition messages differ: the same observedGeneration, URL, selector
+    and pools, and every condition with the same status, reason and observedGeneration. Such a change
+    may wait a moment (it is paced); anything else is a transition and is written at once."""
+
+    def shape(s: InferenceServiceStatus) -> tuple[Any, ...]:
+        conditions = sorted((c.type, c.status, c.reason, c.observed_generation) for c in s.conditions)
+        return s.observed_generation, s.url, s.selector, sorted(s.pools), conditions
+
+    return shape(previous) == shape(status)
+
+
 async def write_status(client: KubeClient, body: Mapping[str, Any], patch: dict[str, Any]) -> dict[str, Any] | None:
     """Patch status only if the object is still at the resourceVersion the status was computed from.
 

@@ -12,13 +12,16 @@
    is recomputed from cached workloads and pods. Otherwise (a `full` key: the jittered resync, the
    safety net for anything a watch could miss) the builders run (reconcile.py) and every child is
    compared and applied where it differs;
-4. write status if it changed, with the resourceVersion it was computed from.
+4. write status if it changed, with the resourceVersion it was computed from. A transition (a
+   condition's status or reason, observedGeneration, URL, selector, the set of pools) is written at
+   once; a routine change (counts, messages: `is_routine`) at most once per `status_interval_seconds`
+   per key, by a wake-up timer that syncs the key again, so the latest state is what gets written.
 
 Invariants: a child version is recorded as verified only from the cache snapshot this reconcile
-compared or from what its own writes returned; one pending wake-up timer per key (autoscaler ticks);
-an error raises (the worker re-queues the key with backoff) after status says why. Events are
-posted for real transitions only (Created, Scaled, RollingOut, DriftCorrected, Pruned, InvalidSpec,
-ApplyFailed), and ClaimKept while it lasts (events.py).
+compared or from what its own writes returned; one pending wake-up timer per key (autoscaler ticks,
+paced status); an error raises (the worker re-queues the key with backoff) after status says why.
+Events are posted for real transitions only (Created, Scaled, RollingOut, DriftCorrected, Pruned, InvalidSpec,
+ApplyFailed), and ClaimKept when a claim starts keeping what the spec cannot change.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +52,7 @@ from tidepool.operator.reconcile import (
     desire,
     drop_legacy_finalizer,
     hold_router,
+    is_routine,
     observe,
     old_pools,
     plan,
@@ -68,6 +73,7 @@ class ControllerOptions:
     workers: int = 16
     features: ClusterFeatures = field(default_factory=ClusterFeatures)  # options; CRD presence is detected
     feature_recheck_seconds: float = 300.0  # how often optional CRDs (LWS, ServiceMonitor, InferencePool) are looked up
+    status_interval_seconds: float = 1.0  # routine status writes (counts, messages) of one key at most this often
 
 
 @dataclass(slots=True)
@@ -83,31 +89,46 @@ class Verified:
 class ServiceSync:
     """The per-key state and reconcile; the Controller (controller.py) runs it from its workers."""
 
-    def __init__(self, client: KubeClient, options: ControllerOptions, store: Store, queue: WorkQueue) -> None:
+    def __init__(
+        self,
+        client: KubeClient,
+        options: ControllerOptions,
+        store: Store,
+        queue: WorkQueue,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client, self.options, self.store, self.queue = client, options, store, queue
+        self._clock = clock
         self.events = EventRecorder(client)
         self.features = options.features
         self.autoscaler: Autoscaler | None = None
         self.verified: dict[Key, Verified] = {}
         self.resync_due: dict[Key, float] = {}
-        self.tick_timers: dict[Key, float] = {}  # when each autoscaled key's next tick wakes it
+        self.wakes: dict[Key, float] = {}  # the pending wake-up of each key (autoscaler tick, paced status)
+        self.status_written: dict[Key, float] = {}  # when each key's status was last written
+        self.claims_kept: dict[Key, set[str]] = {}  # the ClaimKept messages a key's last full reconcile told
         self.recheck_features = asyncio.Event()  # set when an optional kind's apply failed
         self.num_syncs = 0
         self.num_full = 0
 
-    def _wake_for_tick(self, key: Key, delay_s: float) -> None:
-        """One timer per key for its next autoscaler tick (syncs triggered by events must not add more)."""
-        due = time.monotonic() + delay_s
-        pending = self.tick_timers.get(key)
-        if pending is not None and time.monotonic() <= pending <= due + 0.5:
+    def _wake(self, key: Key, delay_s: float) -> None:
+        """Sync `key` again in `delay_s`: one timer per key (syncs triggered by events must not add more).
+
+        A pending timer due no later than this one covers it: the sync it runs asks again for
+        whatever is still ahead (the next tick, a status write still paced)."""
+        now = self._clock()
+        pending = self.wakes.get(key)
+        if pending is not None and now <= pending <= now + delay_s + 0.5:
             return
-        self.tick_timers[key] = due
+        self.wakes[key] = now + delay_s
         self.queue.add_after(key, delay_s + 0.01)
 
     def forget(self, key: Key) -> None:
         self.verified.pop(key, None)
         self.resync_due.pop(key, None)
-        self.tick_timers.pop(key, None)
+        self.wakes.pop(key, None)
+        self.status_written.pop(key, None)
+        self.claims_kept.pop(key, None)
         if self.autoscaler is not None:
             self.autoscaler.forget(key)
 
@@ -130,13 +151,12 @@ class ServiceSync:
                 if self.autoscaler.seconds_until_due(key) <= 0:
                     body = await self.autoscaler.tick(key, body)
                     self.store.put({**body, "kind": SERVICE_KIND})
-                self._wake_for_tick(key, self.autoscaler.seconds_until_due(key))
+                self._wake(key, self.autoscaler.seconds_until_due(key))
             else:  # off or external: forget it, and clear the status.autoscaling an earlier mode left
                 cleared = await self.autoscaler.clear(key, body)
                 if cleared is not body:
                     body = dict(cleared)
                     self.store.put({**body, "kind": SERVICE_KIND})
-                self.tick_timers.pop(key, None)
         await self._reconcile(key, body, full)
 
     async def _reconcile(self, key: Key, body: dict[str, Any], full: bool) -> None:
@@ -192,7 +212,7 @@ class ServiceSync:
             for obj in todo.prune:
                 self.store.delete({"kind": obj["kind"], "metadata": obj["metadata"]})
                 versions.pop((obj["kind"], obj["metadata"]["name"]), None)
-            events += todo.events
+            events += self._untold(key, todo.events)
             if todo.prune:
                 events.append(pruned_event(todo.prune))
             workloads = {k: applied.get(k) or observed[k] for k in {*applied, *observed} if k[0] in WORKLOAD_KINDS}
@@ -234,6 +254,16 @@ class ServiceSync:
         if error:
             raise ApiError(422, error, "ApplyFailed")  # retried with backoff; status already says why
 
+    def _untold(self, key: Key, events: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+        """A full reconcile's events, less the ClaimKept warnings its previous one already told (a claim keeps
+        what the spec cannot change for as long as both stay as they are: say so once, and again only after
+        it stopped)."""
+        kept = {message for _, reason, message in events if reason == "ClaimKept"}
+        told = self.claims_kept.pop(key, set())
+        if kept:
+            self.claims_kept[key] = kept
+        return [e for e in events if e[1] != "ClaimKept" or e[2] not in told]
+
     def _found(self, key: Key, kind: str, name: str) -> dict[str, Any] | None:
         found = self.store.find(kind, key[0], name)
         return None if found is None else found.body()
@@ -244,7 +274,17 @@ class ServiceSync:
         patch = status_patch(previous, status)
         if patch is None:
             return
+        routine = is_routine(previous, status)
+        if routine:
+            # Counts and messages only: at most one write per interval, the latest state when it comes (a
+            # pool of thousands of pods would otherwise cost a status write per pod event).
+            last = self.status_written.get(key)
+            wait = 0.0 if last is None else last + self.options.status_interval_seconds - self._clock()
+            if wait > 0:
+                self._wake(key, wait)
+                return
         updated = await write_status(self.client, body, patch)
+        self.status_written[key] = self._clock()
         if updated is not None:
             self.store.put({**updated, "kind": SERVICE_KIND})
         ready = status.condition("Ready")

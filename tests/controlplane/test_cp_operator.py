@@ -267,6 +267,11 @@ def test_two_services_share_a_cache_claim_and_it_goes_with_the_last(control_plan
     wait_until(lambda: owners() == ["second"], 90, "the claim kept for the service still using it")
     obj = get_isvc(control_plane, ns, "second")
     assert is_ready(obj) and (condition(obj, "Degraded") or {}).get("status") != "True", obj["status"]
+    # The claim still carries the first one's label; its events must wake the second all the same (not only
+    # the 10-minute resync): an owner reference taken away by hand is back at once.
+    unowned = '{"metadata":{"ownerReferences":null}}'
+    control_plane.kubectl("patch", "pvc", claim, "-n", ns, "--type=merge", "-p", unowned)
+    wait_until(lambda: owners() == ["second"], 60, "the second service's owner reference restored")
     control_plane.kubectl("delete", "inferenceservice", "second", "-n", ns, "--wait=true", "--timeout=60s", timeout=70)
     wait_until(lambda: pvc() is None or pvc()["metadata"].get("deletionTimestamp"), 90, "the claim goes with the last")
     assert "ApplyFailed" not in operator.log_text()

@@ -66,7 +66,7 @@ def test_a_claim_others_own_is_released_not_deleted():
 
 def test_the_store_files_a_child_under_its_label_and_finds_it_by_name():
     changes: list[tuple[str, str]] = []
-    store = Store(lambda ns, name: changes.append((ns, name)))
+    store = Store(lambda ns, name, full: changes.append((ns, name)))
     store.put(_claim("a", ("a", "uid-a"), rv="1"))
     assert store.find(*KEY[:1], "ns", "weights").owner == "a"
     # Relabelled (by hand, or by an older operator): it moves, and both services hear of it.
@@ -79,6 +79,27 @@ def test_the_store_files_a_child_under_its_label_and_finds_it_by_name():
     assert store.find("PersistentVolumeClaim", "ns", "weights").owner == "b"
     store.delete(_claim("b", ("a", "uid-a"), rv="3"))
     assert store.find("PersistentVolumeClaim", "ns", "weights") is None and store.count()["children"] == 0
+
+
+def test_every_service_that_owns_a_shared_claim_hears_of_it():
+    """The claim is filed under its creator's label; the other owners are woken for a full reconcile (their
+    fast path does not see a child filed under another service), on every change and on its deletion."""
+    changes: list[tuple[str, str, bool]] = []
+    store = Store(lambda ns, name, full: changes.append((ns, name, full)))
+    store.put(_claim("a", ("a", "uid-a"), ("b", "uid-b"), ("c", "uid-c"), rv="1"))
+    assert changes == [("ns", "a", False), ("ns", "b", True), ("ns", "c", True)]
+    changes.clear()
+    store.put(_claim("a", ("a", "uid-a"), ("b", "uid-b"), rv="2"))  # c released it: c hears of that too
+    assert changes == [("ns", "a", False), ("ns", "b", True), ("ns", "c", True)]
+    changes.clear()
+    store.put(_claim("a", ("b", "uid-b"), rv="3"))  # its creator released it: b owns it alone
+    assert changes == [("ns", "a", False), ("ns", "b", True)]
+    changes.clear()
+    store.delete(_claim("a", ("b", "uid-b"), rv="4"))  # deleted by hand: b must create it again
+    assert changes == [("ns", "a", False), ("ns", "b", True)]
+    changes.clear()
+    store.put(_claim("a", ("a", "uid-a"), rv="5"))  # a claim nobody shares wakes its service only
+    assert changes == [("ns", "a", False)]
 
 
 def test_a_service_sees_a_claim_filed_under_another():

@@ -35,7 +35,7 @@ def child(name: str, rv: str, service: str = "svc", generation: int = 1, **extra
 # ---- Store ------------------------------------------------------------------------------------
 def test_store_indexes_by_service_and_wakes_it_only_on_real_changes():
     woken: list[tuple[str, str]] = []
-    store = Store(lambda ns, name: woken.append((ns, name)))
+    store = Store(lambda ns, name, full: woken.append((ns, name)))
     store.put(child("a", "10"))
     assert woken == [("ns", "svc")] and set(store.children_of(("ns", "svc"), "owner")) == {("Deployment", "a")}
     assert store.children_of(("ns", "svc"), "another-uid") == {}

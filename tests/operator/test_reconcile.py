@@ -336,3 +336,28 @@ def test_a_claim_keeps_what_kubernetes_cannot_change_and_says_so():
     assert changed["spec"]["accessModes"] == ["ReadWriteOnce"]  # the desired object itself is left as built
     # A claim that does not exist yet is created as the spec says.
     assert _storage(plan([_claim("1Ki")], {})) == ["1Ki"]
+
+
+def test_claim_kept_is_told_once_while_it_lasts():
+    spec = copy.deepcopy(SPEC)
+    spec["modelCache"] = {"persistentVolumeClaim": {"claimName": "weights", "size": "40Gi"}}
+    api, ctrl = setup(spec)
+    sync(ctrl)
+
+    def kept() -> int:
+        return sum(e["reason"] == "ClaimKept" for e in api.events)
+
+    def resize(size: str, generation: int) -> None:
+        spec["modelCache"]["persistentVolumeClaim"]["size"] = size
+        api.put_service(spec, generation=generation)
+        sync(ctrl)
+
+    resize("10Gi", 2)  # a claim cannot shrink: kept at 40Gi, and said
+    assert kept() == 1
+    sync(ctrl, full=True)  # the resync finds the same: nothing new to tell
+    sync(ctrl, full=True)
+    assert kept() == 1
+    resize("40Gi", 3)  # the spec matches the claim again
+    resize("10Gi", 4)  # ... and asks to shrink it again: told again
+    assert kept() == 2
+    assert api.objects[("PersistentVolumeClaim", "weights")]["spec"]["resources"]["requests"]["storage"] == "40Gi"
