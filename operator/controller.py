@@ -27,7 +27,16 @@ from tidepool.operator.autoscaler.handlers import Autoscaler
 from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store
 from tidepool.operator.features import detect_features, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
-from tidepool.operator.sync import ControllerOptions, ServiceSync
+from tidepool.operator.metrics import (
+    ACTIVE_WORKERS,
+    CACHED,
+    CONTROLLER,
+    MAX_WORKERS,
+    RECONCILE_ERRORS,
+    RECONCILE_TIME,
+    RECONCILE_TOTAL,
+)
+from tidepool.operator.sync import ControllerOptions, Key, ServiceSync
 from tidepool.operator.workqueue import WorkQueue
 
 __all__ = ["Controller", "ControllerOptions"]
@@ -49,6 +58,10 @@ class Controller(ServiceSync):
         self.informers: dict[tuple[str, str | None], Informer] = {}
         self._tasks: list[asyncio.Task] = []
         self.is_synced = False
+        ACTIVE_WORKERS.labels(CONTROLLER).set_function(lambda: self.queue.num_processing)
+        MAX_WORKERS.labels(CONTROLLER).set(options.workers)
+        for kind in ("services", "children", "pods"):
+            CACHED.labels(kind).set_function(lambda kind=kind: self.store.count()[kind])
 
     # ---- wiring ------------------------------------------------------------------------------
     def _on_change(self, namespace: str, name: str, full: bool) -> None:
@@ -173,19 +186,33 @@ class Controller(ServiceSync):
         while True:
             key, full = await self.queue.get()
             try:
-                await self.sync(key, full)
-                self.queue.forget(key)
-            except asyncio.CancelledError:
-                raise
-            except ApiError as exc:
-                delay = self.queue.add_rate_limited(key)
-                level = logging.INFO if exc.status == 409 else logging.WARNING
-                logger.log(level, "[%s/%s] %s; retrying in %.1fs", *key, exc, delay)
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                delay = self.queue.add_rate_limited(key)
-                logger.warning("[%s/%s] API server unreachable (%r); retrying in %.1fs", *key, exc, delay)
-            except Exception:
-                delay = self.queue.add_rate_limited(key)
-                logger.exception("[%s/%s] reconcile failed; retrying in %.1fs", *key, delay)
+                await self._process(key, full)
             finally:
                 self.queue.done(key)
+
+    async def _process(self, key: Key, full: bool) -> None:
+        """One reconcile of `key`, counted and timed; on an error the key comes back after its backoff."""
+        started, result = self._clock(), "error"
+        try:
+            await self.sync(key, full)
+            self.queue.forget(key)
+            result = "success"
+        except asyncio.CancelledError:
+            result = ""  # the operator is stopping: not a reconcile that ended
+            raise
+        except ApiError as exc:
+            delay = self.queue.add_rate_limited(key)
+            level = logging.INFO if exc.status == 409 else logging.WARNING
+            logger.log(level, "[%s/%s] %s; retrying in %.1fs", *key, exc, delay)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            delay = self.queue.add_rate_limited(key)
+            logger.warning("[%s/%s] API server unreachable (%r); retrying in %.1fs", *key, exc, delay)
+        except Exception:
+            delay = self.queue.add_rate_limited(key)
+            logger.exception("[%s/%s] reconcile failed; retrying in %.1fs", *key, delay)
+        finally:
+            if result:
+                RECONCILE_TOTAL.labels(CONTROLLER, result).inc()
+                RECONCILE_TIME.labels(CONTROLLER).observe(self._clock() - started)
+            if result == "error":
+                RECONCILE_ERRORS.labels(CONTROLLER).inc()

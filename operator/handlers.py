@@ -33,6 +33,7 @@ from tidepool.operator.builders import ClusterFeatures
 from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.k8s import Credentials, KubeClient
 from tidepool.operator.leader import LeaderElector, LeaseConfig
+from tidepool.operator.metrics import LEADER
 
 logger = logging.getLogger("tidepool.operator")
 
@@ -127,6 +128,8 @@ def register(registry: kopf.OperatorRegistry, creds: Credentials, options: Opera
         pods_in = controller.store.pods_in
         autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
         elector = LeaderElector(client, options.lease) if options.lease else None
+        if elector is not None:
+            LEADER.labels(elector.config.name).set_function(lambda: float(elector.is_leader))
         state = OperatorState(client, controller, elector, http)
         state.task = asyncio.create_task(lead_and_run(state, autoscaler), name="lead-and-run")
         memo.tidepool = state

@@ -20,13 +20,14 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import aiohttp
 
 from tidepool.operator.credentials import SA_DIR, Credentials, load_credentials
+from tidepool.operator.metrics import REST_REQUESTS
 from tidepool.operator.ratelimit import TokenBucket
 
 __all__ = ["FIELD_MANAGER", "RESOURCES", "SA_DIR", "ApiError", "Credentials", "KubeClient", "load_credentials"]
@@ -84,9 +85,9 @@ def object_path(obj: dict[str, Any], sub: str | None = None) -> str:
     return resource_path(obj["kind"], meta.get("namespace"), meta["name"], sub)
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> float:
+def _retry_after(headers: Mapping[str, str]) -> float:
     try:
-        return min(max(float(resp.headers.get("Retry-After", "1")), 0.0), MAX_RETRY_AFTER_S)
+        return min(max(float(headers.get("Retry-After", "1")), 0.0), MAX_RETRY_AFTER_S)
     except ValueError:  # an HTTP date instead of seconds: the server only asks for "later"
         return 1.0
 
@@ -96,6 +97,7 @@ class KubeClient:
 
     def __init__(self, creds: Credentials, max_connections: int = 32, qps: float = 0.0, burst: int = 1) -> None:
         self.creds = creds
+        self._host = urlsplit(creds.server).netloc  # rest_client_requests_total's `host`
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self.limiter = TokenBucket(qps, max(burst, 1))
@@ -176,26 +178,29 @@ class KubeClient:
             await self.limiter.acquire()
             self.num_requests += 1
             self.requests_by_verb[method] += 1
-            async with session.request(method, url, data=data, headers=self._headers(content_type)) as resp:
-                raw = await resp.read()
-                if resp.status == 401 and not reauthenticated and self.creds.token_file:
-                    reauthenticated = True
-                    continue  # the projected token may have rotated under us: re-read and retry once
-                if resp.status == 429:
-                    self.num_throttled += 1
-                    delay = _retry_after(resp)
-                    logger.info("API server throttled %s %s (429); retrying after %.1fs", method, path, delay)
-                    await asyncio.sleep(delay)
-                    continue
-                try:
-                    payload: dict[str, Any] = json.loads(raw) if raw else {}
-                except ValueError:  # e.g. "404 page not found" for an API group that is not served
-                    payload = {"message": raw.decode(errors="replace")}
-                if resp.status >= 400:
-                    raise ApiError(
-                        resp.status, payload.get("message", raw.decode(errors="replace")), payload.get("reason", "")
-                    )
-                return payload
+            try:
+                async with session.request(method, url, data=data, headers=self._headers(content_type)) as resp:
+                    status, headers, raw = resp.status, resp.headers, await resp.read()
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                REST_REQUESTS.labels("<error>", method, self._host).inc()
+                raise
+            REST_REQUESTS.labels(str(status), method, self._host).inc()
+            if status == 401 and not reauthenticated and self.creds.token_file:
+                reauthenticated = True
+                continue  # the projected token may have rotated under us: re-read and retry once
+            if status == 429:
+                self.num_throttled += 1
+                delay = _retry_after(headers)
+                logger.info("API server throttled %s %s (429); retrying after %.1fs", method, path, delay)
+                await asyncio.sleep(delay)
+                continue
+            try:
+                payload: dict[str, Any] = json.loads(raw) if raw else {}
+            except ValueError:  # e.g. "404 page not found" for an API group that is not served
+                payload = {"message": raw.decode(errors="replace")}
+            if status >= 400:
+                raise ApiError(status, payload.get("message", raw.decode(errors="replace")), payload.get("reason", ""))
+            return payload
         raise ApiError(429, f"{method} {path}: still throttled after {MAX_THROTTLE_RETRIES} retries", "TooManyRequests")
 
     async def get(self, path: str) -> dict[str, Any] | None:
@@ -256,10 +261,16 @@ class KubeClient:
         self.requests_by_verb["WATCH"] += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s + 60)
         url = self._url(resource_path(kind, namespace), params)
-        async with session.get(url, headers=self._headers("application/json"), timeout=timeout) as resp:
+        try:
+            resp = await session.get(url, headers=self._headers("application/json"), timeout=timeout)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            REST_REQUESTS.labels("<error>", "GET", self._host).inc()
+            raise
+        REST_REQUESTS.labels(str(resp.status), "GET", self._host).inc()  # client-go counts a watch as its GET
+        async with resp:  # released (the connection closed or returned) however the watch ends
             if resp.status >= 400:
                 raw = await resp.read()
-                retry = _retry_after(resp) if resp.status == 429 else None
+                retry = _retry_after(resp.headers) if resp.status == 429 else None
                 raise ApiError(resp.status, raw.decode(errors="replace")[:500], "", retry_after=retry)
             buffer = bytearray()
             async for chunk in resp.content.iter_any():

@@ -44,6 +44,7 @@ from tidepool.operator.claims import with_shared_claims
 from tidepool.operator.events import EventRecorder
 from tidepool.operator.features import refused_optional
 from tidepool.operator.k8s import ApiError, KubeClient
+from tidepool.operator.metrics import STATUS_DEFERRED, STATUS_WRITES
 from tidepool.operator.reconcile import (
     LEGACY_FINALIZER,
     WORKLOAD_KINDS,
@@ -281,11 +282,13 @@ class ServiceSync:
             last = self.status_written.get(key)
             wait = 0.0 if last is None else last + self.options.status_interval_seconds - self._clock()
             if wait > 0:
+                STATUS_DEFERRED.inc()
                 self._wake(key, wait)
                 return
         updated = await write_status(self.client, body, patch)
         self.status_written[key] = self._clock()
         if updated is not None:
+            STATUS_WRITES.labels("routine" if routine else "transition").inc()
             self.store.put({**updated, "kind": SERVICE_KIND})
         ready = status.condition("Ready")
         if ready is not None:

@@ -17,7 +17,9 @@
   cluster events of services already created, a finite stream.
 
 Invariants: FIFO within a lane; timers live in one heap served by one task (no task per key).
-The clock, backoff bounds and `is_known` are parameters, so tests run without sleeping.
+The clock, backoff bounds and `is_known` are parameters, so tests run without sleeping. client-go's
+`workqueue_*` metrics (metrics.py) are kept under the queue's `name`: depth, adds (an add that
+coalesces into a waiting key is not one), retries, time waiting and time being processed.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from tidepool.operator.metrics import CONTROLLER, QUEUE_ADDS, QUEUE_DEPTH, QUEUE_RETRIES, QUEUE_WAIT, QUEUE_WORK
+
 
 class WorkQueue:
     def __init__(
@@ -38,6 +42,7 @@ class WorkQueue:
         max_delay_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         is_known: Callable[[Hashable], bool] = lambda _key: False,
+        name: str = CONTROLLER,
     ) -> None:
         self.base_delay_s, self.max_delay_s = base_delay_s, max_delay_s
         self._clock = clock
@@ -51,8 +56,12 @@ class WorkQueue:
         self._timers: list[tuple[float, int, Hashable, bool]] = []
         self._seq = itertools.count()
         self._timer_wakeup = asyncio.Event()
-        self.num_adds = 0
         self.num_coalesced = 0
+        self._added_at: dict[Hashable, float] = {}  # queued (or marked dirty) at
+        self._started_at: dict[Hashable, float] = {}  # taken by a worker at
+        self._adds, self._retries = QUEUE_ADDS.labels(name), QUEUE_RETRIES.labels(name)
+        self._wait, self._work = QUEUE_WAIT.labels(name), QUEUE_WORK.labels(name)
+        QUEUE_DEPTH.labels(name).set_function(self.__len__)
 
     def __len__(self) -> int:
         return len(self._lanes[0]) + len(self._lanes[1])
@@ -66,14 +75,21 @@ class WorkQueue:
         return len(self._timers)
 
     def add(self, key: Hashable, full: bool = False) -> None:
-        self.num_adds += 1
         if key in self._processing:
+            if key not in self._dirty:
+                self._adds.inc()
+                self._added_at[key] = self._clock()
             self._dirty[key] = self._dirty.get(key, False) or full
             return
         if key in self._queued:
             self.num_coalesced += 1
             self._queued[key] = self._queued[key] or full
             return
+        self._adds.inc()
+        self._added_at[key] = self._clock()
+        self._enqueue(key, full)
+
+    def _enqueue(self, key: Hashable, full: bool) -> None:
         self._queued[key] = full
         self._lanes[0 if self._is_known(key) else 1].append(key)
         self._ready.set()
@@ -89,6 +105,7 @@ class WorkQueue:
         """Add after this key's backoff (base * 2^failures, capped); returns the delay."""
         failures = self._failures.get(key, 0)
         self._failures[key] = failures + 1
+        self._retries.inc()
         delay = min(self.base_delay_s * 2**failures, self.max_delay_s)
         self.add_after(key, delay)
         return delay
@@ -107,12 +124,18 @@ class WorkQueue:
         key = (self._lanes[0] or self._lanes[1]).popleft()
         full = self._queued.pop(key)
         self._processing.add(key)
+        now = self._clock()
+        self._wait.observe(max(now - self._added_at.pop(key, now), 0.0))
+        self._started_at[key] = now
         return key, full
 
     def done(self, key: Hashable) -> None:
         self._processing.discard(key)
-        if key in self._dirty:
-            self.add(key, self._dirty.pop(key))
+        started = self._started_at.pop(key, None)
+        if started is not None:
+            self._work.observe(max(self._clock() - started, 0.0))
+        if key in self._dirty:  # added while it was processed: queued now, counted and timed when it was added
+            self._enqueue(key, self._dirty.pop(key))
 
     def fire_due(self) -> float | None:
         """Add every timer that is due; returns seconds until the next one (None: no timers)."""

@@ -1,7 +1,7 @@
 """The chart's Grafana dashboard: Grafana's shape, and every metric its PromQL reads is really exported.
 
 Engine names are checked against a live `tidepool serve` `/metrics` (the tiny test model), operator
-names against the operator's prometheus-client registry (the autoscaler's module defines them).
+names against the operator's prometheus-client registry (autoscaler/handlers.py and metrics.py define them).
 A name is exported when a family of the right type exposes it as a sample: a gauge as its name, a
 counter as `_total`, a histogram as `_bucket`/`_sum`/`_count` (so `X_bucket` maps back to family X).
 """
@@ -143,11 +143,13 @@ def test_dashboard_has_grafanas_shape() -> None:
 
 
 def test_every_promql_name_is_exported(server: Server) -> None:
-    import tidepool.operator.autoscaler.handlers  # noqa: F401  (registers the operator's metrics)
+    import tidepool.operator.autoscaler.handlers  # registers the autoscaler's metrics
+    import tidepool.operator.metrics  # noqa: F401  (and the controller's)
 
     text = httpx.get(server.url + "/metrics", timeout=10).text
     engine = exported_samples((f.name, f.type) for f in text_string_to_metric_families(text))
-    operator = exported_samples((f.name, f.type) for f in REGISTRY.collect() if f.name.startswith("tidepool_"))
+    operator_prefixes = ("tidepool_", "controller_runtime_", "workqueue_", "rest_client_", "leader_election_")
+    operator = exported_samples((f.name, f.type) for f in REGISTRY.collect() if f.name.startswith(operator_prefixes))
     assert "vllm:time_to_first_token_seconds_bucket" in engine and "tidepool_autoscaler_decisions_total" in operator
     used: set[str] = set()
     for expr in _exprs(load_dashboard()):
