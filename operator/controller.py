@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import aiohttp
 
@@ -35,6 +35,7 @@ from tidepool.operator.metrics import (
     RECONCILE_ERRORS,
     RECONCILE_TIME,
     RECONCILE_TOTAL,
+    SERVICE_CONDITIONS,
 )
 from tidepool.operator.sync import ControllerOptions, Key, ServiceSync
 from tidepool.operator.workqueue import WorkQueue
@@ -62,6 +63,11 @@ class Controller(ServiceSync):
         MAX_WORKERS.labels(CONTROLLER).set(options.workers)
         for kind in ("services", "children", "pods"):
             CACHED.labels(kind).set_function(lambda kind=kind: self.store.count()[kind])
+        SERVICE_CONDITIONS.read = self._service_conditions
+
+    def _service_conditions(self) -> Iterator[tuple[str, str, list[dict]]]:
+        for (namespace, name), cached in list(self.store.services.items()):
+            yield namespace, name, (cached.body().get("status") or {}).get("conditions") or []
 
     # ---- wiring ------------------------------------------------------------------------------
     def _on_change(self, namespace: str, name: str, full: bool) -> None:

@@ -11,16 +11,21 @@ alerts written for Go controllers (e.g. on `controller_runtime_reconcile_errors_
 - `rest_client_requests_total{code,method,host}` (code "<error>" when no answer came);
 - `leader_election_master_status{name}`: 1 while this replica holds the Lease.
 Tidepool's own: `tidepool_operator_status_writes_total{kind}` (transition | routine: see sync.py),
-`tidepool_operator_status_writes_deferred_total` (routine writes left to a later sync) and
-`tidepool_operator_cached_objects{kind}` (services | children | pods). The autoscaler's metrics are
-in autoscaler/handlers.py.
+`tidepool_operator_status_writes_deferred_total` (routine writes left to a later sync),
+`tidepool_operator_cached_objects{kind}` (services | children | pods), and
+`tidepool_inferenceservice_status_condition{namespace,name,type,status}` = 1 for each condition of each
+InferenceService in the leader's cache (kube-state-metrics' shape; a stand-by replica exports none),
+which the chart's PrometheusRule alerts on. The autoscaler's metrics are in autoscaler/handlers.py.
 
 Gauges that mirror a live count are read at scrape time (`set_function`), never kept in step by hand.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 CONTROLLER = "inferenceservice"  # the `controller` label, and the work queue's `name`
 
@@ -63,3 +68,31 @@ STATUS_DEFERRED = Counter(
     "tidepool_operator_status_writes_deferred_total", "Routine status writes left to a later sync (paced)"
 )
 CACHED = Gauge("tidepool_operator_cached_objects", "Objects in the operator's caches", ["kind"])
+
+
+class ConditionsCollector:
+    """`tidepool_inferenceservice_status_condition`, read from the controller's cache at scrape time (so a
+    deleted service's series go with it). `read` yields (namespace, name, conditions) per service."""
+
+    NAME = "tidepool_inferenceservice_status_condition"
+    HELP = "1 for each condition of an InferenceService, by type and status (the operator's cache)"
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Iterable[tuple[str, str, list[dict]]]] | None = None
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self.NAME, self.HELP, labels=["namespace", "name", "type", "status"])
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for namespace, name, conditions in self.read() if self.read is not None else ():
+            for condition in conditions:
+                family.add_metric([namespace, name, str(condition.get("type")), str(condition.get("status"))], 1.0)
+        yield family
+
+
+SERVICE_CONDITIONS = ConditionsCollector()
+REGISTRY.register(SERVICE_CONDITIONS)

@@ -132,3 +132,6 @@ def test_status_writes_of_a_large_pool_follow_time_not_pod_events(control_plane,
     assert total(metrics, "rest_client_requests_total", method="PATCH", code="200") >= writes > 0
     assert total(metrics, "leader_election_master_status") == 1
     assert total(metrics, "tidepool_operator_cached_objects", kind="pods") == ROUTER_REPLICAS + 1
+    ready = total(metrics, "tidepool_inferenceservice_status_condition", namespace=ns, name=name, type="Ready")
+    assert ready == total(metrics, "tidepool_inferenceservice_status_condition", name=name, type="Ready", status="True")
+    assert ready == 1  # one series per condition, with its status: what the chart's alert rules read

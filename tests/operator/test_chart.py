@@ -8,12 +8,14 @@ a missing binary fails the test with the build command.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from promql_kit import operator_samples, selected
 
 from controlplane_fixture import load_devcluster
 
@@ -274,6 +276,35 @@ def test_operator_metrics_port_service_and_service_monitor(helm: str) -> None:
     container = _operator(docs)
     assert _env(container)["TIDEPOOL_OPERATOR_METRICS_PORT"] == "0"  # the operator starts no endpoint
     assert all(p["name"] != "metrics" for p in container["ports"])
+
+
+def test_alert_rules_parse_and_read_only_metrics_the_operator_exports(helm: str) -> None:
+    assert _by_kind(render(helm), "PrometheusRule") == []  # off by default: its CRD may not exist
+    docs = render(helm, "metrics.prometheusRule.enabled=true", "metrics.prometheusRule.labels.release=kps")
+    (rule,) = _by_kind(docs, "PrometheusRule")
+    (service,) = _by_kind(docs, "Service")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "kps"
+    rules = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    alerts = [r["alert"] for r in rules]
+    assert len(alerts) == len(set(alerts))
+    assert {"TidepoolOperatorDown", "TidepoolOperatorNoLeader", "TidepoolInferenceServiceNotReady"} <= set(alerts)
+    exported = operator_samples() | {"up"}  # `up` is Prometheus' own, per scrape target
+    job = f'job="{service["metadata"]["name"]}"'  # the job a ServiceMonitor of that Service scrapes as
+    for r in rules:
+        names = selected(r["expr"])  # parses it: raises on what Prometheus would refuse
+        assert names and names <= exported, (r["alert"], names - exported)
+        assert job in r["expr"], r["alert"]  # only the operator's own series, not another job's of the same name
+        assert re.fullmatch(r"[0-9]+[smh]", r["for"]) and r["labels"]["severity"] in {"warning", "critical"}
+        assert r["annotations"]["summary"] and r["annotations"]["description"]
+    service_alerts = [r for r in rules if r["alert"].startswith("TidepoolInferenceService")]
+    assert all("{{ $labels.namespace }}/{{ $labels.name }}" in r["annotations"]["summary"] for r in service_alerts)
+    # Without leader election there is no Lease to alert on; the wait before "not Ready" alerts is a value.
+    docs = render(helm, "metrics.prometheusRule.enabled=true", "leaderElection.enabled=false", "replicaCount=1",
+                  "metrics.prometheusRule.notReadyFor=45m")  # fmt: skip
+    rules = {r["alert"]: r for group in _by_kind(docs, "PrometheusRule")[0]["spec"]["groups"] for r in group["rules"]}
+    assert "TidepoolOperatorNoLeader" not in rules and rules["TidepoolInferenceServiceNotReady"]["for"] == "45m"
+    docs = render(helm, "metrics.enabled=false", "metrics.prometheusRule.enabled=true")
+    assert _by_kind(docs, "PrometheusRule") == []  # nothing to alert on without the metrics
 
 
 def test_autoscaler_environment_from_values(helm: str) -> None:

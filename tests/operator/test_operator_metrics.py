@@ -126,3 +126,18 @@ def test_api_requests_are_counted_by_code_method_and_host():
         assert sample("rest_client_requests_total", code="404", method="GET", host=host) == 1
 
     asyncio.run(run())
+
+
+def test_each_cached_service_condition_is_a_series_and_goes_with_the_service():
+    api = FakeApi()
+    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
+    api.store = ctrl.store
+    api.put_service(SPEC)
+    asyncio.run(ctrl.sync((NS, NAME)))
+    labels = {"namespace": NS, "name": NAME}
+    metric = "tidepool_inferenceservice_status_condition"
+    assert sample(metric, **labels, type="Ready", status="False") == 1  # no pods yet
+    assert sample(metric, **labels, type="Progressing", status="True") == 1
+    assert sample(metric, **labels, type="Ready", status="True") == 0  # one series per condition: its status
+    ctrl.store.delete(api.service())
+    assert REGISTRY.get_sample_value(metric, {**labels, "type": "Ready", "status": "False"}) is None

@@ -2,103 +2,44 @@
 
 Engine names are checked against a live `tidepool serve` `/metrics` (the tiny test model), operator
 names against the operator's prometheus-client registry (autoscaler/handlers.py and metrics.py define them).
-A name is exported when a family of the right type exposes it as a sample: a gauge as its name, a
-counter as `_total`, a histogram as `_bucket`/`_sum`/`_count` (so `X_bucket` maps back to family X).
+Every expression is parsed with a real PromQL parser (tests/promql_kit.py). A name is exported when a
+family of the right type exposes it as a sample: a gauge as its name, a counter as `_total`, a
+histogram as `_bucket`/`_sum`/`_count`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client import REGISTRY
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from promql_kit import exported, operator_samples, parse, selected
 from serve_proc import Server
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "charts" / "tidepool" / "dashboards" / "tidepool.json"
-SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
-# PromQL functions, aggregations and keywords that may appear as bare identifiers in an expression.
-PROMQL_WORDS = frozenset(
-    {
-        "sum",
-        "min",
-        "max",
-        "avg",
-        "count",
-        "stddev",
-        "stdvar",
-        "topk",
-        "bottomk",
-        "quantile",
-        "count_values",
-        "group",
-        "by",
-        "without",
-        "on",
-        "ignoring",
-        "group_left",
-        "group_right",
-        "bool",
-        "offset",
-        "and",
-        "or",
-        "unless",
-        "rate",
-        "irate",
-        "increase",
-        "delta",
-        "idelta",
-        "deriv",
-        "histogram_quantile",
-        "abs",
-        "ceil",
-        "floor",
-        "round",
-        "clamp",
-        "clamp_min",
-        "clamp_max",
-        "label_replace",
-        "label_join",
-        "vector",
-        "scalar",
-        "time",
-        "absent",
-        "avg_over_time",
-        "max_over_time",
-        "min_over_time",
-        "sum_over_time",
-        "count_over_time",
-        "last_over_time",
-        "label_values",
-    }
-)
-_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"')
-_MATCHERS = re.compile(r"\{[^{}]*\}")
-_RANGES = re.compile(r"\[[^\]]*\]")
-_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
-_VARIABLES = re.compile(r"\$\{?\w+\}?")
-_LABEL_VALUES = re.compile(r"\blabel_values\(\s*([^,()]+?)\s*(?:,[^()]*)?\)")  # Grafana's: (metric, label)
-_IDENT = re.compile(r"(?<![\w:.])([a-zA-Z_:][a-zA-Z0-9_:]*)")
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*([^,()]+?)\s*(?:,[^()]*)?\)\s*$")  # Grafana's, not PromQL
 
 
 def metric_names(expr: str) -> set[str]:
-    """Metric names an expression selects (label matchers, ranges, groupings and variables removed)."""
-    text = _LABEL_VALUES.sub(r" \1 ", _STRINGS.sub('""', expr))
-    for pattern in (_MATCHERS, _RANGES, _GROUPING, _VARIABLES):
-        text = pattern.sub(" ", text)
-    return {word for word in _IDENT.findall(text) if word not in PROMQL_WORDS}
+    """Metric names a panel or variable query reads: PromQL parsed for real, or Grafana's label_values()."""
+    match = _LABEL_VALUES.match(expr)
+    return {match[1]} if match else selected(expr)
 
 
 def test_metric_names_of_an_expression() -> None:
     expr = (
         'histogram_quantile(0.95, sum by (le, model_name) (rate(vllm:x_seconds_bucket{model_name=~"$m"}'
-        '[$__rate_interval]))) / on (pool) group_left max(tidepool_y{a="rate(b)"}) + label_values(vllm:z, model_name)'
+        '[$__rate_interval]))) / on (pool) group_left max(tidepool_y{a="rate(b)"})'
     )
-    assert metric_names(expr) == {"vllm:x_seconds_bucket", "tidepool_y", "vllm:z"}
+    assert metric_names(expr) == {"vllm:x_seconds_bucket", "tidepool_y"}
+    assert metric_names("label_values(vllm:z, model_name)") == {"vllm:z"}
+    with pytest.raises(ValueError):
+        metric_names("sum(rate(x[5m])")
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -113,11 +54,6 @@ def _exprs(dashboard: dict[str, Any]) -> Iterator[str]:
         if variable["type"] == "query":
             query = variable["query"]
             yield query["query"] if isinstance(query, dict) else query
-
-
-def exported_samples(families: Iterable[tuple[str, str]]) -> set[str]:
-    """Sample names (name, type) families are scraped as."""
-    return {name + suffix for name, kind in families for suffix in SUFFIXES.get(kind, ("",))}
 
 
 def test_dashboard_has_grafanas_shape() -> None:
@@ -135,7 +71,7 @@ def test_dashboard_has_grafanas_shape() -> None:
         ref_ids = [t["refId"] for t in panel["targets"]]
         assert panel["targets"] and len(ref_ids) == len(set(ref_ids)), panel["title"]
         for target in panel["targets"]:
-            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            parse(target["expr"])  # raises on what Prometheus would refuse
             assert target["datasource"] == panel["datasource"]
     titles = " ".join(panel["title"].lower() for panel in panels)
     for topic in ("first token", "inter-token", "kv", "queue", "replicas", "scaling"):
@@ -143,13 +79,9 @@ def test_dashboard_has_grafanas_shape() -> None:
 
 
 def test_every_promql_name_is_exported(server: Server) -> None:
-    import tidepool.operator.autoscaler.handlers  # registers the autoscaler's metrics
-    import tidepool.operator.metrics  # noqa: F401  (and the controller's)
-
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    engine = exported_samples((f.name, f.type) for f in text_string_to_metric_families(text))
-    operator_prefixes = ("tidepool_", "controller_runtime_", "workqueue_", "rest_client_", "leader_election_")
-    operator = exported_samples((f.name, f.type) for f in REGISTRY.collect() if f.name.startswith(operator_prefixes))
+    engine = exported((f.name, f.type) for f in text_string_to_metric_families(text))
+    operator = operator_samples()
     assert "vllm:time_to_first_token_seconds_bucket" in engine and "tidepool_autoscaler_decisions_total" in operator
     used: set[str] = set()
     for expr in _exprs(load_dashboard()):
