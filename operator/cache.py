@@ -16,9 +16,9 @@ integers etcd issues), so the write-through of an apply response is never undone
 event of an older version; `on_change(namespace, service, full)` is called for every stored change of
 an object labelled with that service (or of the InferenceService itself), and with full=True for the
 other services in a changed child's ownerReferences (a shared claim: their fast path cannot see it,
-so they compare it in full); a child is stored once, under
-the service its label names now (a relabelled child moves, and both services hear of it), and `find`
-reaches it by kind and name whatever its label (a cache claim several services share).
+so they compare it in full); a child is stored once, under the service its label names now (a
+relabelled child moves, and both services hear of it), and `find` reaches it by kind and name
+whatever its label (a cache claim several services share).
 """
 
 from __future__ import annotations

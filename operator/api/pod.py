@@ -52,6 +52,11 @@ RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models")
 # Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
 RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PREFIX = "hugepages-"
+# The router container's requests and limits before router.resources replaces entries per resource name.
+ROUTER_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
 NodeSelectorMap = dict[str, LabelValue]  # keys: label keys (a rule in pod_rules.py)
 
 

@@ -37,6 +37,9 @@ BINARY_EXPONENTS = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _DECIMAL_SUFFIX = {exp: suffix for suffix, exp in DECIMAL_EXPONENTS.items()}
 _BINARY_SUFFIX = {exp // 10: suffix for suffix, exp in BINARY_EXPONENTS.items()} | {0: ""}
 _MILLI = 10**3  # resource lists are rounded up to this precision
+# Longest quantity string accepted (a schema maxLength: it bounds the API server's estimated CEL cost of every
+# rule that parses quantities; Kubernetes' own are far shorter).
+MAX_QUANTITY_LENGTH = 64
 
 
 def _parse(value: str | int) -> tuple[Fraction, str]:
@@ -45,7 +48,7 @@ def _parse(value: str | int) -> tuple[Fraction, str]:
         if value < 0:
             raise ValueError(f"{value!r} {QUANTITY_MESSAGE}")
         return Fraction(value), "decimal"
-    match = QUANTITY_RE.match(value) if isinstance(value, str) else None
+    match = QUANTITY_RE.match(value) if isinstance(value, str) and len(value) <= MAX_QUANTITY_LENGTH else None
     if match is None:
         raise ValueError(f"{value!r} {QUANTITY_MESSAGE}")
     number = Fraction(match["number"].lstrip("+"))

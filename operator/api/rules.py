@@ -20,6 +20,7 @@ from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
 from tidepool.operator.api.pod_rules import POD_RULES
+from tidepool.operator.api.resource_rules import RESOURCE_RULES
 from tidepool.operator.api.rule import Rule
 
 # catalogue://NAME: a model of `tidepool pull`'s catalogue (names from the catalogue itself, never copied).
@@ -291,7 +292,8 @@ _CORE_RULES: tuple[Rule, ...] = (
     ),
 )
 
-SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES  # pod_rules.py: what a pod override may not do
+# pod_rules.py: what a pod override may not do; resource_rules.py: no request above its limit once merged
+SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES
 
 # Root-level rules (self = the whole object); CEL may read metadata.name there.
 NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"

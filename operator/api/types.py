@@ -14,6 +14,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
 
 from tidepool.operator.api.quantity import (
+    MAX_QUANTITY_LENGTH,
     POSITIVE_QUANTITY_MESSAGE,
     QUANTITY_MESSAGE,
     is_positive_quantity,
@@ -52,6 +53,7 @@ Quantity = Annotated[
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
+            "maxLength": MAX_QUANTITY_LENGTH,
             "x-kubernetes-validations": [
                 {
                     "rule": "type(self) == int ? self >= 0 : "
@@ -70,6 +72,7 @@ PositiveQuantity = Annotated[
     WithJsonSchema(
         {
             "x-kubernetes-int-or-string": True,
+            "maxLength": MAX_QUANTITY_LENGTH,
             "x-kubernetes-validations": [
                 {
                     "rule": "type(self) == int ? self > 0 : "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidepool.operator.api.pod import ROUTER_RESOURCES
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.view import ServiceView
 
@@ -34,8 +35,6 @@ from .common import (
 )
 from .engine import LWS_WORKER_INDEX_LABEL, Topology, headless_name, termination_grace_s
 from .overrides import container_resources, wire
-
-ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 
 
 def serving_selector(name: str, pool: str, topo: Topology) -> dict[str, str]:

@@ -23,9 +23,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from tidepool.operator.api.pod import ContainerResources, PodOverrides
-from tidepool.operator.api.quantity import canonical_quantity, quantity_value
+from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.scheduling import Affinity
-from tidepool.operator.api.view import ServiceView, SpecError
+from tidepool.operator.api.view import ServiceView
 
 # Lists of named entries: merged by this key (snake_case attribute), the rest append.
 KEYED_LISTS: dict[str, str] = {
@@ -106,18 +106,13 @@ def pool_pod(view: ServiceView, pool: str) -> PodOverrides:
 
 
 def container_resources(base: dict[str, dict[str, str]], override: ContainerResources | None) -> dict[str, Any]:
-    """`base` ({"requests": ..., "limits": ...}) with the override's entries replacing it per resource name;
-    SpecError where a request ends up above its limit (the API server would refuse every pod)."""
+    """`base` ({"requests": ..., "limits": ...}) with the override's entries replacing it per resource name.
+    A request above its limit never gets here: api/resource_rules.py refuses the spec (at admission, and in
+    the validation every ServiceView runs)."""
     requests, limits = dict(base.get("requests", {})), dict(base.get("limits", {}))
     if override is not None:
         requests.update({k: canonical_quantity(v) for k, v in override.requests.items()})
         limits.update({k: canonical_quantity(v) for k, v in override.limits.items()})
-    for name, request in requests.items():
-        if name in limits and quantity_value(request) > quantity_value(limits[name]):
-            raise SpecError(
-                f"resources: the {name} request {request} exceeds its limit {limits[name]} "
-                "(spec.resources.cpu/memory set both; raise the limit in pod.resources.limits or lower the request)"
-            )
     return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
 
 

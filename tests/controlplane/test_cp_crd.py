@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 import yaml
-from api_cases_pod import VALID_POD_EDITS
+from api_cases_resources import layered
 from devcluster_addons import install_crds
+from hypothesis import HealthCheck, given, settings
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -138,6 +139,24 @@ def test_api_server_refuses_invalid_object_saying_what_to_fix(control_plane, crd
     assert case.message in message, message
 
 
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(body=layered())
+def test_the_api_server_refuses_a_request_above_its_limit_exactly_when_the_python_mirror_does(
+    control_plane, crd_namespace, body
+):
+    """The CEL of api/resource_rules.py (generated, ~3.7 kB per pool) against its Python mirror, on layered
+    requests and limits: the API server (a dry-run create) accepts exactly what `validate_spec` accepts."""
+    custom = client.CustomObjectsApi(control_plane.api_client())
+    create = lambda: custom.create_namespaced_custom_object(  # noqa: E731
+        GROUP, VERSION, crd_namespace, PLURAL, body, dry_run="All"
+    )
+    status, answer = _status(create)
+    refused = [m for m in validate_spec(InferenceService.from_body(body)[0]) if "above its limit" in m]
+    assert (status == 422) == bool(refused), (status, answer[:800], refused)
+    for message in refused:
+        assert message in json.loads(answer)["message"]
+
+
 def test_printer_columns_show_status(control_plane, crd_namespace):
     custom = client.CustomObjectsApi(control_plane.api_client())
     body = cases.sample("unified")
@@ -189,7 +208,7 @@ def test_scale_subresource_drives_spec_replicas(control_plane, crd_namespace):
     assert "spec.replicas must lie within minReplicas..maxReplicas" in refused.stderr, refused.stderr
 
 
-@pytest.mark.parametrize(("name", "edit"), VALID_POD_EDITS, ids=[e[0] for e in VALID_POD_EDITS])
+@pytest.mark.parametrize(("name", "edit"), cases.VALID_EDITS, ids=[e[0] for e in cases.VALID_EDITS])
 def test_accepted_pod_edge_cases_give_pods_the_api_server_accepts(control_plane, crd_namespace, name, edit):
     """What the CRD accepts in spec.pod, the API server accepts in the children built from it (a dry-run apply of
     each): an InferenceService must never pass admission only to have every pod template refused later."""

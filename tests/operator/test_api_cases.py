@@ -12,14 +12,17 @@ from __future__ import annotations
 import pytest
 from api_case_kit import Case, both, rule_message, sample, set_path
 from api_cases_pod import POD_CASES, VALID_POD_EDITS
+from api_cases_resources import RESOURCE_CASES, VALID_RESOURCE_EDITS
 from pydantic import ValidationError
 
 from tidepool.operator.api import InferenceService, rules, types, validate_spec
 from tidepool.operator.builders import ClusterFeatures
 from tidepool.operator.reconcile import spec_problem
 
+VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS)
 INVALID_CASES: tuple[Case, ...] = (
     *POD_CASES,
+    *RESOURCE_CASES,
     Case("unified-with-prefill", set_path("spec.pools.prefill", {}), rule_message("mode unified needs"), "rule"),
     Case(
         "disagg-without-decode",
@@ -369,7 +372,7 @@ def test_every_rule_has_a_case() -> None:
     assert [r.message for r in rules.SPEC_RULES if r.message not in covered] == []
 
 
-@pytest.mark.parametrize(("name", "edit"), VALID_POD_EDITS, ids=[e[0] for e in VALID_POD_EDITS])
+@pytest.mark.parametrize(("name", "edit"), VALID_EDITS, ids=[e[0] for e in VALID_EDITS])
 def test_what_kubernetes_accepts_in_a_pod_is_accepted(name: str, edit) -> None:
     """The edge cases Kubernetes accepts stay accepted: no rule above is stricter than the pods need."""
     body = sample("unified")

@@ -209,9 +209,9 @@ def test_pool_mount_may_name_a_global_volume() -> None:
     assert "/data" not in {m["mountPath"] for m in pods["decode"]["volumeMounts"]}
 
 
-def test_request_above_its_limit_is_refused_by_the_builders() -> None:
+def test_request_above_its_limit_is_refused_before_anything_is_built() -> None:
     s = spec(UNIFIED, pod={"resources": {"limits": {"memory": "8Gi"}}})  # spec.resources.memory requests 16Gi
-    with pytest.raises(SpecError, match="memory request 16Gi exceeds its limit 8Gi"):
+    with pytest.raises(SpecError, match=r"pools\.unified: a container request is above its limit"):
         build(s)
 
 
@@ -322,9 +322,10 @@ def test_rendered_overrides_leave_out_what_the_api_server_omits() -> None:
     assert {"name": "d", "persistentVolumeClaim": {"claimName": "c"}} in template["spec"]["volumes"]
 
 
-def test_what_cel_cannot_see_is_refused_by_the_operator_with_a_condition() -> None:
-    """A request above its limit only exists once spec.resources and pod.resources are merged: the operator
-    refuses the spec (Degraded, InvalidSpec, the message saying what to change) and applies nothing."""
+def test_a_spec_the_api_server_would_refuse_is_refused_by_the_operator_with_a_condition() -> None:
+    """A request above its limit once spec.resources and pod.resources are merged (refused at admission, but an
+    object may predate the rule): the operator refuses the spec (Degraded, InvalidSpec, the rule's message
+    saying what to change) and applies nothing."""
     api = FakeApi()
     ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
     api.store = ctrl.store
@@ -333,4 +334,4 @@ def test_what_cel_cannot_see_is_refused_by_the_operator_with_a_condition() -> No
     assert api.calls["apply"] == 0
     degraded = api.condition("Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
-    assert "memory request 1Gi exceeds its limit 512Mi" in degraded["message"]
+    assert "pools.unified: a container request is above its limit" in degraded["message"]

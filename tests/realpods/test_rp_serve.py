@@ -101,12 +101,17 @@ def test_engine_pods_run_on_the_real_node_and_serve_through_the_router_service(r
         status = engine_status(pod)
         assert status["started"] and status["ready"]  # the kubelet's startup and readiness probes passed
 
-    # the router reads the pool Service's EndpointSlices: both engine pods, ready
+    # the router reads the pool Service's EndpointSlices: both engine pods, ready. The EndpointSlice controller
+    # writes them after it sees the pods ready (asynchronously; a CI run read them a moment too early): wait.
     selector = f"kubernetes.io/service-name={NAME}-unified"
-    out = real_cluster.kubectl("get", "endpointslices", "-n", ns, "-l", selector, "-o", "json")
-    slices = json.loads(out.stdout)["items"]
-    ready_ips = {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
-    assert ready_ips == {p["status"]["podIP"] for p in engines}
+    pod_ips = {p["status"]["podIP"] for p in engines}
+
+    def ready_ips() -> set[str]:
+        out = real_cluster.kubectl("get", "endpointslices", "-n", ns, "-l", selector, "-o", "json")
+        slices = json.loads(out.stdout)["items"]
+        return {a for s in slices for e in s["endpoints"] if e["conditions"].get("ready") for a in e["addresses"]}
+
+    wait_until(lambda: ready_ips() == pod_ips, 60, f"the EndpointSlices of {selector} list {sorted(pod_ips)} ready")
 
     router = service_url(real_cluster, ns, f"{NAME}-router")  # a ClusterIP: kube-proxy's rules on the node
     body = completion(router, NAME, max_tokens=8, ignore_eos=True)
