@@ -29,12 +29,13 @@ from prometheus_client.core import GaugeMetricFamily
 
 CONTROLLER = "inferenceservice"  # the `controller` label, and the work queue's `name`
 
-# controller-runtime's reconcile-time buckets (seconds), and client-go's work-queue buckets (1e-8 s to 10 s).
+# controller-runtime's reconcile-time buckets (seconds), and client-go's work-queue buckets (1e-8 s to 10 s) with
+# minutes added: the chart's alert on a queue wait over a minute needs buckets above it to ever fire.
 _RECONCILE_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0,
     1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 60,
 )  # fmt: skip
-_QUEUE_BUCKETS = tuple(10.0**e for e in range(-8, 2))
+_QUEUE_BUCKETS = (*(10.0**e for e in range(-8, 2)), 30.0, 60.0, 120.0, 300.0)
 
 RECONCILE_TOTAL = Counter(
     "controller_runtime_reconcile_total", "Reconciles per controller, by result", ["controller", "result"]

@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import Histogram
 from promql_kit import operator_samples, selected
 
 from controlplane_fixture import load_devcluster
+from tidepool.operator import metrics
 
 pytestmark = pytest.mark.k8sbin
 
@@ -296,6 +298,12 @@ def test_alert_rules_parse_and_read_only_metrics_the_operator_exports(helm: str)
         assert job in r["expr"], r["alert"]  # only the operator's own series, not another job's of the same name
         assert re.fullmatch(r"[0-9]+[smh]", r["for"]) and r["labels"]["severity"] in {"warning", "critical"}
         assert r["annotations"]["summary"] and r["annotations"]["description"]
+    for r in rules:  # a quantile alert can fire only if the histogram has a finite bucket above its threshold
+        quantile = re.search(r"histogram_quantile\(.*?(\w+)_bucket\{.*\)\s*>\s*([0-9.]+)$", r["expr"])
+        if quantile:
+            (histogram,) = [h for h in vars(metrics).values() if isinstance(h, Histogram) and h._name == quantile[1]]
+            finite = [b for b in histogram._upper_bounds if b != float("inf")]
+            assert max(finite) > float(quantile[2]), (r["alert"], finite)
     service_alerts = [r for r in rules if r["alert"].startswith("TidepoolInferenceService")]
     assert all("{{ $labels.namespace }}/{{ $labels.name }}" in r["annotations"]["summary"] for r in service_alerts)
     # Without leader election there is no Lease to alert on; the wait before "not Ready" alerts is a value.
