@@ -12,9 +12,12 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.k8s import ApiError
 
 NS, NAME, UID = "ns", "svc", "uid-1"
@@ -166,3 +169,14 @@ def _merge(into: dict[str, Any], patch: dict[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = value
+
+
+def with_controller(
+    spec: dict[str, Any] = SPEC, clock: Callable[[], float] = time.monotonic, **meta: Any
+) -> tuple[FakeApi, Controller]:
+    """A FakeApi holding the service `spec`, and a Controller (production options) whose cache it feeds."""
+    api = FakeApi()
+    ctrl = Controller(api, ControllerOptions(), [NS], clock)  # type: ignore[arg-type]
+    api.store = ctrl.store
+    api.put_service(spec, **meta)
+    return api, ctrl

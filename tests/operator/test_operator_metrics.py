@@ -9,10 +9,9 @@ import copy
 import itertools
 
 from aiohttp import web
-from fake_api import NAME, NS, SPEC, FakeApi
+from fake_api import NAME, NS, SPEC, with_controller
 from prometheus_client import REGISTRY
 
-from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.credentials import Credentials
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.metrics import CONTROLLER
@@ -54,10 +53,7 @@ def test_work_queue_counts_adds_retries_and_times_waiting_and_processing():
 
 
 def test_reconciles_and_status_writes_are_counted_by_result_and_kind():
-    api = FakeApi()
-    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service(SPEC)
+    api, ctrl = with_controller()
     before = {
         "success": sample("controller_runtime_reconcile_total", controller=CONTROLLER, result="success"),
         "error": sample("controller_runtime_reconcile_total", controller=CONTROLLER, result="error"),
@@ -129,10 +125,7 @@ def test_api_requests_are_counted_by_code_method_and_host():
 
 
 def test_each_cached_service_condition_is_a_series_and_goes_with_the_service():
-    api = FakeApi()
-    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service(SPEC)
+    api, ctrl = with_controller()
     asyncio.run(ctrl.sync((NS, NAME)))
     labels = {"namespace": NS, "name": NAME}
     metric = "tidepool_inferenceservice_status_condition"

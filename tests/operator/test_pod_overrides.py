@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from fake_api import NAME, NS, SPEC, FakeApi
+from fake_api import NAME, NS, SPEC, with_controller
 from pydantic import ValidationError
 from test_builders import DISAGG, MULTI_NODE, UNIFIED, build, by_key, pod_specs, spec
 
@@ -19,7 +19,6 @@ from tidepool.operator.api import pod as api_pod
 from tidepool.operator.builders import ClusterFeatures, SpecError
 from tidepool.operator.builders.common import container_security_context, pod_security_context
 from tidepool.operator.builders.overrides import merge_pod
-from tidepool.operator.controller import Controller, ControllerOptions
 
 SECRET_ENV = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
 POD = {
@@ -326,10 +325,7 @@ def test_a_spec_the_api_server_would_refuse_is_refused_by_the_operator_with_a_co
     """A request above its limit once spec.resources and pod.resources are merged (refused at admission, but an
     object may predate the rule): the operator refuses the spec (Degraded, InvalidSpec, the rule's message
     saying what to change) and applies nothing."""
-    api = FakeApi()
-    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service({**SPEC, "pod": {"resources": {"limits": {"memory": "512Mi"}}}})  # requests 1Gi
+    api, ctrl = with_controller({**SPEC, "pod": {"resources": {"limits": {"memory": "512Mi"}}}})  # requests 1Gi
     asyncio.run(ctrl.sync((NS, NAME), False))
     assert api.calls["apply"] == 0
     degraded = api.condition("Degraded")

@@ -8,20 +8,12 @@ import copy
 from typing import Any
 
 import pytest
-from fake_api import NAME, NS, SPEC, FakeApi
+from fake_api import NAME, NS, SPEC, FakeApi, with_controller
 
-from tidepool.operator.controller import Controller, ControllerOptions
+from tidepool.operator.controller import Controller
 from tidepool.operator.reconcile import contains, plan
 
 KEY = (NS, NAME)
-
-
-def setup(spec: dict[str, Any] = SPEC, **meta: Any) -> tuple[FakeApi, Controller]:
-    api = FakeApi()
-    ctrl = Controller(api, ControllerOptions(), [NS])  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service(spec, **meta)
-    return api, ctrl
 
 
 def sync(ctrl: Controller, full: bool = False) -> None:
@@ -34,7 +26,7 @@ def pods_ready(api: FakeApi, workload: str, pool: str, count: int, prefix: str =
 
 
 def test_create_then_ready_then_nothing_to_write():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     kinds = sorted(k for k, _ in api.objects if k not in ("InferenceService",))
     assert "Deployment" in kinds and "Service" in kinds and api.calls["apply"] == len(kinds)
@@ -65,7 +57,7 @@ def test_create_then_ready_then_nothing_to_write():
 
 
 def test_ready_needs_the_current_template_and_is_kept_while_the_old_one_serves():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     pods_ready(api, f"{NAME}-unified", "unified", 2, prefix="old")
     pods_ready(api, f"{NAME}-router", "router", 1)
@@ -102,7 +94,7 @@ def test_ready_needs_the_current_template_and_is_kept_while_the_old_one_serves()
 
 
 def test_not_serving_is_not_ready_and_unschedulable_pods_limit_scaling():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/2 nodes: gpu"}
     api.add_pod(f"{NAME}-unified-x", "unified", api.hash_of(f"{NAME}-unified"), ready=False, conditions=[unschedulable])
@@ -113,7 +105,7 @@ def test_not_serving_is_not_ready_and_unschedulable_pods_limit_scaling():
 
 
 def test_hand_edits_are_reverted_by_the_next_event_or_resync():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     deploy = api.objects[("Deployment", f"{NAME}-unified")]
     deploy["spec"]["replicas"] = 7  # kubectl scale: generation moves, the watch delivers it
@@ -133,7 +125,7 @@ def test_hand_edits_are_reverted_by_the_next_event_or_resync():
 def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     """A hand edit or delete whose watch event arrives while a reconcile awaits its writes is not taken
     as verified: the next (event-triggered, not full) reconcile compares and repairs it."""
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     role_key, pdb_key = ("Role", f"{NAME}-router"), ("PodDisruptionBudget", f"{NAME}-unified")
     wanted = copy.deepcopy(api.objects[role_key]["rules"])
@@ -167,7 +159,7 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
 
 
 def test_mode_switch_keeps_the_old_pool_until_the_new_pools_serve():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     sync(ctrl)
     pods_ready(api, f"{NAME}-unified", "unified", 2)
     pods_ready(api, f"{NAME}-router", "router", 1)
@@ -202,7 +194,7 @@ def test_mode_switch_keeps_the_old_pool_until_the_new_pools_serve():
 
 def test_invalid_spec_reports_once_and_applies_nothing():
     bad = {**SPEC, "model": {"uri": "file:///host/models"}}
-    api, ctrl = setup(bad)
+    api, ctrl = with_controller(bad)
     sync(ctrl)
     sync(ctrl)
     assert api.calls["apply"] == 0
@@ -213,7 +205,7 @@ def test_invalid_spec_reports_once_and_applies_nothing():
 
 
 def test_refused_apply_is_degraded_and_keeps_the_old_generation():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     api.fail_apply = {"Deployment"}
     with pytest.raises(Exception, match="admission refused"):
         sync(ctrl)
@@ -226,7 +218,7 @@ def test_refused_apply_is_degraded_and_keeps_the_old_generation():
 def test_autoscaler_replicas_come_from_status_and_survive_a_restart():
     spec = copy.deepcopy(SPEC)
     spec["autoscaling"] = {"enabled": True}
-    api, ctrl = setup(spec)
+    api, ctrl = with_controller(spec)
     api.service()["status"] = {
         "autoscaling": {"mode": "active", "pools": {"unified": {"desiredReplicas": 3}}, "limited": "capped at 3"}
     }
@@ -239,14 +231,14 @@ def test_autoscaler_replicas_come_from_status_and_survive_a_restart():
 
 
 def test_legacy_finalizer_is_removed_so_deletes_never_wait():
-    api, ctrl = setup(finalizers=["tidepool.dev/finalizer"], annotations={"tidepool.dev/create": "{}"})
+    api, ctrl = with_controller(finalizers=["tidepool.dev/finalizer"], annotations={"tidepool.dev/create": "{}"})
     sync(ctrl)
     meta = api.service()["metadata"]
     assert not meta.get("finalizers") and "tidepool.dev/create" not in meta.get("annotations", {})
 
 
 def test_status_write_is_conditional_on_the_resource_version():
-    api, ctrl = setup()
+    api, ctrl = with_controller()
     api.conflict_next_status = True
     with pytest.raises(Exception, match="409"):
         sync(ctrl)
@@ -341,7 +333,7 @@ def test_a_claim_keeps_what_kubernetes_cannot_change_and_says_so():
 def test_claim_kept_is_told_once_while_it_lasts():
     spec = copy.deepcopy(SPEC)
     spec["modelCache"] = {"persistentVolumeClaim": {"claimName": "weights", "size": "40Gi"}}
-    api, ctrl = setup(spec)
+    api, ctrl = with_controller(spec)
     sync(ctrl)
 
     def kept() -> int:

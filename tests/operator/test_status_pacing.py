@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from fake_api import NAME, NS, SPEC, FakeApi
+from fake_api import NAME, NS, SPEC, with_controller
 
 from tidepool.operator.api import InferenceServiceStatus, PoolStatus
-from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.reconcile import is_routine
 
 KEY = (NS, NAME)
@@ -61,10 +60,8 @@ def pool_spec(replicas: int) -> dict:
 
 
 def test_counts_are_paced_transitions_are_not_and_the_latest_count_is_written():
-    api, clock = FakeApi(), Clock()
-    ctrl = Controller(api, ControllerOptions(), [NS], clock=clock)  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service(pool_spec(40))
+    clock = Clock()
+    api, ctrl = with_controller(pool_spec(40), clock)
     interval = ctrl.options.status_interval_seconds
     assert interval > 0
 
@@ -110,10 +107,8 @@ def test_counts_are_paced_transitions_are_not_and_the_latest_count_is_written():
 
 
 def test_a_routine_change_after_a_quiet_interval_is_written_at_once():
-    api, clock = FakeApi(), Clock()
-    ctrl = Controller(api, ControllerOptions(), [NS], clock=clock)  # type: ignore[arg-type]
-    api.store = ctrl.store
-    api.put_service(pool_spec(4))
+    clock = Clock()
+    api, ctrl = with_controller(pool_spec(4), clock)
 
     async def run() -> None:
         await ctrl.sync(KEY)
