@@ -1,8 +1,10 @@
-"""Decode step time by batch size with the CPU ops built two ways: vector width, or weight prefetch distance.
+"""Decode step time by batch size with the CPU ops built two ways: vector width, weight prefetch distance, or
+the cache level prefetches fill.
 
-`engine/cpu_ops/build.py` takes two build-time settings from the environment: the SIMD width
-(TIDEPOOL_CPU_VECTOR_WIDTH; default 16 floats with AVX-512, else 8) and how far ahead the weight
-streams prefetch (TIDEPOOL_CPU_PREFETCH_BYTES; default 2048, `off` for none). This runs the same
+`engine/cpu_ops/build.py` takes three build-time settings from the environment: the SIMD width
+(TIDEPOOL_CPU_VECTOR_WIDTH; default 16 floats with AVX-512, else 8), how far ahead the weight
+streams prefetch (TIDEPOOL_CPU_PREFETCH_BYTES; default 4096, `off` for none) and which cache level the
+weight and KV prefetches fill (TIDEPOOL_CPU_PREFETCH_CACHE; default l2, or l1). This runs the same
 engine, model and decode batches once per value of one of them, each in its own process (a library
 is loaded once per process), alternating the order round by round so the machine's drift hits every
 value alike. Per batch size and round: the median step time of `--steps` decode steps at
@@ -13,6 +15,7 @@ changes the summation order, so a near-tie may flip; prefetching changes no arit
     python bench/build_variants.py --model <SmolLM2 GGUF-converted folder> [--variable width] [--rounds 2]
     python bench/build_variants.py --model <folder> --variable prefetch --threads 1 --batches 1,4
     python bench/build_variants.py --model <the GGUF> --quantization gguf --variable prefetch --batches 1,4,16
+    python bench/build_variants.py --model <folder> --variable prefetch-cache --batches 1,16,64 --context-len 620
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 VARIABLES = {
     "width": (build.VECTOR_WIDTH_ENV, tuple(str(w) for w in build.VECTOR_WIDTHS), "vector_width", "vector_width.json"),
     "prefetch": (build.PREFETCH_ENV, ("off", "auto"), "prefetch_bytes", "prefetch.json"),
+    "prefetch-cache": (build.PREFETCH_CACHE_ENV, ("l1", "l2"), "prefetch_cache", "prefetch_cache.json"),
 }
 
 
@@ -67,7 +71,7 @@ def main() -> int:
     parser.add_argument("--quantization", help="the engine's quantization (e.g. gguf: a GGUF's int4 weights kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's choice)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=None, help="default: results/<vector_width|prefetch>.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/<vector_width|prefetch|prefetch_cache>.json")
     args = parser.parse_args()
     env_name, values, reported, out_name = VARIABLES[args.variable]
     batches = [int(b) for b in args.batches.split(",")]

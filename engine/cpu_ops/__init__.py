@@ -36,7 +36,8 @@ Which path runs is decided once per process and op, on first use (the engine's w
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 `TIDEPOOL_CPU_VECTOR_WIDTH=auto|8|16` sets the SIMD width the ops are built with (`vec.h`; auto: 16 floats
 where the CPU has AVX-512, else 8); `TIDEPOOL_CPU_PREFETCH_BYTES=auto|off|<bytes>` how far ahead the
-weight streams prefetch (auto: 2048). The log line above says what a library has.
+weight streams prefetch (auto: 4096); `TIDEPOOL_CPU_PREFETCH_CACHE=auto|l2|l1` the cache level software
+prefetches (weights and KV rows) fill (auto: L2). The log line above says what a library has.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
     action = "built" if built.built_now else "cached"
     ahead = built.prefetch_bytes
-    prefetch = f"prefetch {ahead} B ahead" if ahead >= 0 else "no prefetch"
+    prefetch = f"weight prefetch {ahead} B ahead" if ahead >= 0 else "no weight prefetch"
+    prefetch += f", prefetches into {built.prefetch_cache.upper()}"
     logger.info(
         "%s: compiled op (%s %s; %s; %d-float vectors, %s)", label, action, built.path, threads, built.vector_width,
         prefetch,

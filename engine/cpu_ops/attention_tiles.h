@@ -20,6 +20,7 @@ namespace tidepool {
 // Software prefetch of the next chunk's K and V rows, spread over the current chunk's score loop
 // (a row or a few per key): one burst of a whole chunk would fill the miss buffers and stall the
 // core, and the hardware prefetchers restart at every block (blocks sit at unrelated addresses).
+// Into L2 by default (vec.h's prefetch_line): L1 prefetches bought nothing over none on Zen 4.
 struct Prefetch {
   const char* k = nullptr;  // the next chunk's row 0 for this KV head; null: nothing to fetch
   const char* v = nullptr;
@@ -29,8 +30,8 @@ struct Prefetch {
   void rows(int j0, int j1) const {
     for (int j = j0; j < j1 && j < num_rows; ++j)
       for (int b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(k + j * stride + b);
-        __builtin_prefetch(v + j * stride + b);
+        prefetch_line(k + j * stride + b);
+        prefetch_line(v + j * stride + b);
       }
   }
 };

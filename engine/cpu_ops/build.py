@@ -23,9 +23,12 @@ runtime linked. Invariants:
 - Vector width (vec.h): 16 floats where the native build targets AVX-512, else 8.
   `TIDEPOOL_CPU_VECTOR_WIDTH=8|16` forces one (a -D flag, so part of the key); any other value is
   an error. The library reports what it was built with (`tp_vector_width`).
-- Prefetch distance (vec.h's `prefetch_ahead`, for the kernels that stream weights): 2048 bytes.
+- Prefetch distance (vec.h's `prefetch_ahead`, for the kernels that stream weights): 4096 bytes.
   `TIDEPOOL_CPU_PREFETCH_BYTES=off|<multiple of 64>` sets another (a -D flag, as above; for
   benchmarks comparing distances); the library reports it (`tp_prefetch_bytes`, -1 for off).
+- Prefetch level (vec.h's `prefetch_line`, for the weight streams and the attention's KV rows): L2.
+  `TIDEPOOL_CPU_PREFETCH_CACHE=l1` prefetches into L1 as well (a -D flag, as above); the library
+  reports it (`tp_prefetch_locality`: 2 for L2, 3 for L1).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ _BASE_FLAGS = ("-O3", "-std=gnu++17", "-ffp-contract=fast", "-fPIC", "-fvisibili
 VECTOR_WIDTH_ENV = "TIDEPOOL_CPU_VECTOR_WIDTH"
 VECTOR_WIDTHS = (8, 16)
 PREFETCH_ENV = "TIDEPOOL_CPU_PREFETCH_BYTES"
+PREFETCH_CACHE_ENV = "TIDEPOOL_CPU_PREFETCH_CACHE"
+PREFETCH_LOCALITIES = {"l2": 2, "l1": 3}  # TIDEPOOL_CPU_PREFETCH_CACHE -> __builtin_prefetch's locality
 _OMP_LIB = re.compile(r"/lib(gomp|iomp5|omp)[^/]*\.so[.0-9]*$")
 
 
@@ -75,6 +80,12 @@ class BuiltLibrary:
     def prefetch_bytes(self) -> int:
         """How far ahead the library's weight streams prefetch, in bytes (-1: not at all)."""
         return int(ctypes.CDLL(str(self.path)).tp_prefetch_bytes())
+
+    @property
+    def prefetch_cache(self) -> str:
+        """The cache level the library's software prefetches fill: "l2" or "l1"."""
+        locality = int(ctypes.CDLL(str(self.path)).tp_prefetch_locality())
+        return next(name for name, value in PREFETCH_LOCALITIES.items() if value == locality)
 
 
 def cache_root() -> Path:
@@ -170,8 +181,9 @@ class _Recipe:
 
 
 def define_flags() -> tuple[str, ...]:
-    """The -D flags for what TIDEPOOL_CPU_VECTOR_WIDTH and TIDEPOOL_CPU_PREFETCH_BYTES force (none for
-    what they leave to vec.h). Raises ValueError naming the variable for a value neither takes."""
+    """The -D flags for what TIDEPOOL_CPU_VECTOR_WIDTH, TIDEPOOL_CPU_PREFETCH_BYTES and
+    TIDEPOOL_CPU_PREFETCH_CACHE force (none for what they leave to vec.h). Raises ValueError naming the
+    variable for a value it does not take."""
     flags = []
     width = os.environ.get(VECTOR_WIDTH_ENV, "").strip().lower()
     if width not in ("", "auto"):
@@ -185,6 +197,11 @@ def define_flags() -> tuple[str, ...]:
         elif not (re.fullmatch(r"[0-9]+", prefetch) and int(prefetch) % 64 == 0 and int(prefetch) <= 1 << 16):
             raise ValueError(f"{PREFETCH_ENV}={prefetch!r}: expected auto, off or a multiple of 64 up to 65536 (bytes)")
         flags.append(f"-DTIDEPOOL_PREFETCH_BYTES={int(prefetch)}")
+    level = os.environ.get(PREFETCH_CACHE_ENV, "").strip().lower()
+    if level not in ("", "auto"):
+        if level not in PREFETCH_LOCALITIES:
+            raise ValueError(f"{PREFETCH_CACHE_ENV}={level!r}: expected auto, l2 or l1 (the cache prefetches fill)")
+        flags.append(f"-DTIDEPOOL_PREFETCH_LOCALITY={PREFETCH_LOCALITIES[level]}")
     return tuple(flags)
 
 

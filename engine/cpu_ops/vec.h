@@ -25,7 +25,15 @@
 // Bytes ahead of a streaming weight read that the kernels prefetch (-1: none); build.py sets it from
 // TIDEPOOL_CPU_PREFETCH_BYTES when asked. See prefetch_ahead.
 #ifndef TIDEPOOL_PREFETCH_BYTES
-#define TIDEPOOL_PREFETCH_BYTES 2048
+#define TIDEPOOL_PREFETCH_BYTES 4096
+#endif
+
+// The cache level software prefetches fill (prefetch_line): 2 = L2 (prefetcht1), 3 = L1 as well
+// (prefetcht0). build.py sets it from TIDEPOOL_CPU_PREFETCH_CACHE when asked. L2 by default: on an AMD
+// EPYC (Zen 4) VM, decode attention over a KV cache larger than L3 ran at 12 GB/s with L1 prefetches,
+// the same as with none, and at 26-30 GB/s with L2 prefetches (bench/README.md, "Prefetching into L2").
+#ifndef TIDEPOOL_PREFETCH_LOCALITY
+#define TIDEPOOL_PREFETCH_LOCALITY 2
 #endif
 
 namespace tidepool {
@@ -55,13 +63,20 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // claim 32-row blocks at unrelated addresses, so the hardware prefetchers keep restarting; with this, on
 // an Intel AVX-512 VM (bench/build_variants.py --variable prefetch; bench/README.md, "Prefetching the
 // weights") a float32 decode step was 1.08x faster at bs=1 and 1.35x at 4 sequences on two threads,
-// 1.20x and 1.28x on one, int4 1.13x and 1.28x. 2 KB: 256 B-1 KB gained less, 4-8 KB no more. A plain
-// streaming sum gains nothing from it, and the packed-panel kernel (compute-bound) neither, so neither
-// has it. It changes no arithmetic, so no result's bits.
+// 1.20x and 1.28x on one, int4 1.13x and 1.28x (2 KB ahead, into L1: 256 B-1 KB gained less, 4-8 KB no
+// more). Into L2 (PREFETCH_LOCALITY) on an AMD EPYC (Zen 4) VM, 4 KB ahead beat 2 KB at 4 sequences
+// (17.6-18.9 against 24.5-25.4 ms per step), matched it at 1, 8, 16 and 64, and 3 KB-6 KB formed a
+// plateau, so 4 KB. The packed-panel kernel (compute-bound) has no prefetch. It changes no arithmetic,
+// so no result's bits.
 constexpr int PREFETCH_BYTES = TIDEPOOL_PREFETCH_BYTES;
+constexpr int PREFETCH_LOCALITY = TIDEPOOL_PREFETCH_LOCALITY;
+static_assert(PREFETCH_LOCALITY == 2 || PREFETCH_LOCALITY == 3, "TIDEPOOL_PREFETCH_LOCALITY is 2 (L2) or 3 (L1)");
+
+// A software prefetch of the 64-byte line at p into the level PREFETCH_LOCALITY names.
+inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, PREFETCH_LOCALITY); }
 
 inline void prefetch_ahead(const void* p) {
-  if constexpr (PREFETCH_BYTES >= 0) __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES);
+  if constexpr (PREFETCH_BYTES >= 0) prefetch_line(static_cast<const char*>(p) + PREFETCH_BYTES);
 }
 
 // The floats of an intrinsic's register (__m256 for W = 8, __m512 for W = 16) as a vf.
@@ -239,7 +254,8 @@ inline f16 from_float<f16>(float x) {
 
 }  // namespace tidepool
 
-// The vector width and prefetch distance this library was built with (logged by cpu_ops, checked by the
+// The vector width, prefetch distance and prefetch level this library was built with (logged by cpu_ops, checked by the
 // tests that build several). Each library is one translation unit, so these definitions are the only ones.
 extern "C" __attribute__((visibility("default"))) int tp_vector_width() { return tidepool::W; }
 extern "C" __attribute__((visibility("default"))) int tp_prefetch_bytes() { return tidepool::PREFETCH_BYTES; }
+extern "C" __attribute__((visibility("default"))) int tp_prefetch_locality() { return tidepool::PREFETCH_LOCALITY; }

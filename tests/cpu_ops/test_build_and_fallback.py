@@ -6,8 +6,9 @@
 - A failed build is recorded and not retried by every later process.
 - The library shares torch's OpenMP runtime (no second thread pool in the process).
 - TIDEPOOL_CPU_VECTOR_WIDTH forces the SIMD width (a separate cache entry); other values are an error.
-- TIDEPOOL_CPU_PREFETCH_BYTES sets the weight streams' prefetch distance (reported by the library, other
-  values an error); prefetching or not, the GEMV (float32, int8) and int4 results are the same bits.
+- TIDEPOOL_CPU_PREFETCH_BYTES sets the weight streams' prefetch distance and TIDEPOOL_CPU_PREFETCH_CACHE
+  the level prefetches fill (each reported by the library, other values an error); whatever they are, the
+  GEMV (float32, int8), int4 and attention results are the same bits.
 """
 
 from __future__ import annotations
@@ -111,11 +112,17 @@ def test_unknown_vector_width_is_an_error(fresh: Path, monkeypatch: pytest.Monke
 
 def _streamed_products() -> list[torch.Tensor]:
     """The GEMV (float32 and int8 rows) and the int4 op over shapes and batches that run every row kernel
-    (1-8 inputs, groups of 8, the panel kernel from 24), with the library the environment selects now."""
+    (1-8 inputs, groups of 8, the panel kernel from 24), and paged attention over decodes and prefills
+    across many blocks (the prefetched KV rows), with the libraries the environment selects now."""
     gemv = cpu_ops.CpuGemv(build.build_library("gemv", "gemv.cpp").path)
     int4 = cpu_ops.CpuInt4Gemv(build.build_library("int4_gemv", "int4_gemv.cpp").path)
+    cpu_ops.reset()
+    assert cpu_ops.paged_attention_op() is not None
+    seqs = [(700, 1), (33, 1), (1000, 1), (300, 40), (90, 90)]
+    step = random_step(9, num_kv_heads=2, group=4, head_dim=64, block_size=16, seqs=seqs)
+    meta = kernel_view_metadata(step)
+    out = [backend.paged_attention(step.q, step.k, step.v, step.k_cache, step.v_cache, meta, step.scale)]
     gen = torch.Generator().manual_seed(5)
-    out = []
     for rows, inner in ((37, 100), (96, 576), (200, 1536)):
         w = torch.randn(rows, inner, generator=gen)
         w8 = torch.randint(-127, 128, (rows, inner), generator=gen, dtype=torch.int8)
@@ -130,22 +137,47 @@ def _streamed_products() -> list[torch.Tensor]:
     return out
 
 
-def test_prefetch_distance_changes_no_bits(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(build.PREFETCH_ENV, "off")
-    assert build.build_library("gemv", "gemv.cpp").prefetch_bytes == -1
-    without = _streamed_products()
-    monkeypatch.delenv(build.PREFETCH_ENV)
-    assert build.build_library("gemv", "gemv.cpp").prefetch_bytes > 0  # on by default
-    with_prefetch = _streamed_products()
-    assert len(without) == len(with_prefetch) == 63
-    for a, b in zip(without, with_prefetch, strict=True):
+@pytest.mark.parametrize(
+    ("env", "value", "reported"),
+    [(build.PREFETCH_ENV, "off", ("prefetch_bytes", -1)), (build.PREFETCH_CACHE_ENV, "l1", ("prefetch_cache", "l1"))],
+)
+def test_prefetch_settings_change_no_bits(
+    fresh: Path, monkeypatch: pytest.MonkeyPatch, env: str, value: str, reported: tuple[str, object]
+) -> None:
+    monkeypatch.delenv(build.PREFETCH_ENV, raising=False)
+    monkeypatch.delenv(build.PREFETCH_CACHE_ENV, raising=False)
+    default = build.build_library("gemv", "gemv.cpp")
+    assert default.prefetch_bytes > 0 and default.prefetch_cache == "l2"  # the defaults
+    with_default = _streamed_products()
+    monkeypatch.setenv(env, value)
+    assert getattr(build.build_library("gemv", "gemv.cpp"), reported[0]) == reported[1]
+    with_other = _streamed_products()
+    assert len(with_default) == len(with_other) == 64
+    for a, b in zip(with_default, with_other, strict=True):
         assert torch.equal(a, b)
 
 
 def test_prefetch_distance_is_forced_and_reported(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(build.PREFETCH_ENV, "4096")
+    monkeypatch.setenv(build.PREFETCH_ENV, "8192")
     built = build.build_library("fused", "fused.cpp")
-    assert built.prefetch_bytes == 4096 and "-DTIDEPOOL_PREFETCH_BYTES=4096" in built.flags
+    assert built.prefetch_bytes == 8192 and "-DTIDEPOOL_PREFETCH_BYTES=8192" in built.flags
+
+
+def test_prefetch_cache_is_forced_and_reported(fresh: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = set()
+    for value, locality in build.PREFETCH_LOCALITIES.items():
+        monkeypatch.setenv(build.PREFETCH_CACHE_ENV, value)
+        built = build.build_library("paged_attention", "paged_attention.cpp")
+        assert built.prefetch_cache == value and f"-DTIDEPOOL_PREFETCH_LOCALITY={locality}" in built.flags
+        paths.add(built.path)
+    assert len(paths) == 2  # separate cache entries
+
+
+@pytest.mark.parametrize("value", ["l3", "L2x", "2", "none"])
+def test_unknown_prefetch_cache_is_an_error(fresh: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(build.PREFETCH_CACHE_ENV, value)
+    with pytest.raises(ValueError, match=rf"{build.PREFETCH_CACHE_ENV}=.*expected auto, l2 or l1"):
+        cpu_ops.paged_attention_op()
 
 
 @pytest.mark.parametrize("value", ["32", "-64", "far", "1e3", "131072"])
