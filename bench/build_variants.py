@@ -71,7 +71,9 @@ def main() -> int:
     parser.add_argument("--quantization", help="the engine's quantization (e.g. gguf: a GGUF's int4 weights kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's choice)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=None, help="default: results/<vector_width|prefetch|prefetch_cache>.json")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: results/<vector_width|prefetch|prefetch_cache>.json"
+    )
     args = parser.parse_args()
     env_name, values, reported, out_name = VARIABLES[args.variable]
     batches = [int(b) for b in args.batches.split(",")]
