@@ -71,20 +71,24 @@ class BuiltLibrary:
     has_openmp: bool
     flags: tuple[str, ...]
 
+    def _reported(self, symbol: str) -> int:
+        """A build setting the library reports about itself (vec.h's `tp_*` exports)."""
+        return int(getattr(ctypes.CDLL(str(self.path)), symbol)())
+
     @property
     def vector_width(self) -> int:
         """Floats per SIMD vector the library was built with (vec.h's W)."""
-        return int(ctypes.CDLL(str(self.path)).tp_vector_width())
+        return self._reported("tp_vector_width")
 
     @property
     def prefetch_bytes(self) -> int:
         """How far ahead the library's weight streams prefetch, in bytes (-1: not at all)."""
-        return int(ctypes.CDLL(str(self.path)).tp_prefetch_bytes())
+        return self._reported("tp_prefetch_bytes")
 
     @property
     def prefetch_cache(self) -> str:
         """The cache level the library's software prefetches fill: "l2" or "l1"."""
-        locality = int(ctypes.CDLL(str(self.path)).tp_prefetch_locality())
+        locality = self._reported("tp_prefetch_locality")
         return next(name for name, value in PREFETCH_LOCALITIES.items() if value == locality)
 
 
