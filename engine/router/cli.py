@@ -166,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from ..server.tcp_tuning import http_protocol
+
     app = build_app(config)
     uvicorn.run(
         app,
@@ -173,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         port=args.port,
         log_config=None,
         access_log=args.access_log,
+        http=http_protocol(),
         timeout_graceful_shutdown=10,
         timeout_keep_alive=5,
     )

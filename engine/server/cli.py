@@ -116,6 +116,7 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
     import uvicorn
 
     from .app import build_app, drain
+    from .tcp_tuning import http_protocol
 
     try:
         sock = _bind(host, port)  # before anything starts: a busy port is one clear line, not a crash
@@ -159,6 +160,7 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
         port=port,
         log_config=None,
         access_log=access_log,
+        http=http_protocol(),
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
     )
@@ -177,7 +179,7 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port, set up as uvicorn sets up its own."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP by number too, as asyncio checks
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
