@@ -53,18 +53,16 @@ from .protocol import (
     APIError,
     AssistantMessage,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     SamplingRequest,
     Usage,
 )
-from .replies import answering_shutdown, engine_error, error_event, event, finish_error, refusal
+from .replies import answering_shutdown, engine_error, error_event, finish_error, refusal
+from .sse import StreamChunks
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
 
@@ -163,13 +161,11 @@ class Serving:
         return [list(prompt)], [None]  # type: ignore[arg-type]
 
     async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
-        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-            return event(CompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
-                                            choices=choices, usage=usage))  # fmt: skip
-
+        chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=False)
         if req.echo:
             for index in job.index_of.values():
-                yield chunk([CompletionChoice(index=index, text=await self._prompt_text(job, index // req.n))])
+                text = await self._prompt_text(job, index // req.n)
+                yield chunks.event([chunks.completion_choice(index, text)])
         async for item in self._deltas(job, stream):
             if isinstance(item, str):
                 yield item
@@ -179,10 +175,10 @@ class Serving:
                 logprobs = self.logprobs.completion(comp, item.token_start, item.token_stop, item.text_offset,
                                                     req.logprobs, req.return_tokens_as_token_ids,
                                                     req.skip_special_tokens)  # fmt: skip
-            yield chunk([CompletionChoice(index=item.index, text=item.text, logprobs=logprobs,
-                                          finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
+            yield chunks.event([chunks.completion_choice(item.index, item.text, logprobs, comp.finish_reason,
+                                                         comp.stop_reason)])  # fmt: skip
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage=job.usage())
+            yield chunks.event([], usage=job.usage())
         yield "data: [DONE]\n\n"
 
     # ---- chat -----------------------------------------------------------------------------------
@@ -230,12 +226,9 @@ class Serving:
     async def _stream_chat(
         self, job: _Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None
     ) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-            return event(ChatCompletionChunk(id=job.response_id, created=job.created, model=self.model_name,
-                                             choices=choices, usage=usage))  # fmt: skip
-
+        chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=True)
         for index in job.index_of.values():
-            yield chunk([ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            yield chunks.event([chunks.chat_choice(index, "", role="assistant")])
         async for item in self._deltas(job, stream):
             if isinstance(item, str):
                 yield item
@@ -244,10 +237,10 @@ class Serving:
             if num_top is not None:
                 logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top,
                                               req.return_tokens_as_token_ids)  # fmt: skip
-            yield chunk([ChatChunkChoice(index=item.index, delta=DeltaMessage(content=item.text), logprobs=logprobs,
-                                         finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)])  # fmt: skip
+            yield chunks.event([chunks.chat_choice(item.index, item.text, None, logprobs, comp.finish_reason,
+                                                   comp.stop_reason)])  # fmt: skip
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield chunk([], usage=job.usage())
+            yield chunks.event([], usage=job.usage())
         yield "data: [DONE]\n\n"
 
     # ---- shared ---------------------------------------------------------------------------------
