@@ -119,11 +119,12 @@ def check_kv_capacity(num_blocks: int, block_size: int, max_model_len: int) -> N
         )
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, pull: bool = True) -> str:
     """The folder or file to load for `model` (see the module docstring); pulls catalogue models.
 
     Raises FileNotFoundError for a name that is nothing of the above, ValueError for a folder with
-    several `.gguf` files or a file that is not GGUF, and `PullError` when a pull fails.
+    several `.gguf` files or a file that is not GGUF, and `PullError` when a pull fails. With
+    `pull=False` a catalogue name comes back as it is (a check before a process that pulls later).
     """
     from .gguf import catalogue
     from .gguf.detect import is_gguf_file
@@ -147,9 +148,11 @@ def resolve_model_path(model: str) -> str:
         return str(ggufs[0])
     entry = catalogue.lookup(model)
     if entry is not None:
-        from .gguf.pull import pull
+        if not pull:
+            return model
+        from .gguf.pull import pull as pull_model
 
-        return str(pull(entry.name))
+        return str(pull_model(entry.name))
     raise FileNotFoundError(
         f"model {model} does not exist: it is not a folder, a .gguf file or a catalogue name "
         f"({', '.join(catalogue.names())}; see `tidepool pull`)"

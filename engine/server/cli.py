@@ -68,13 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _server_config(args: argparse.Namespace) -> Any:
-    from pathlib import Path
-
-    from ..engine_config import EngineConfig
+    from ..engine_config import EngineConfig, resolve_model_path
     from .app import ServerConfig
 
-    if not Path(args.model).is_dir():
-        raise ValueError(f"model folder {args.model} does not exist")
+    # What `LLM(...)` takes: a folder, a .gguf file (or a folder holding one), a catalogue name (pulled
+    # when the model loads). A name that is none of these is refused here, before the port is bound.
+    try:
+        resolve_model_path(args.model, pull=False)
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
     kwargs = serve_flags.engine_kwargs(args)
     # The rendezvous may also come from the environment (torchrun's MASTER_ADDR / MASTER_PORT).
     kwargs.update(master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1")
