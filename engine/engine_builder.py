@@ -5,7 +5,8 @@ Role: `build_engine(config)` does everything `LLMEngine` needs done once — res
 size the KV cache from memory, build the scheduler, sampler and model runner, run the runner's
 warm-up step (first-use builds and compiles happen here, not in a request), and build the optional
 features' step hooks from one `HookContext` — and returns it all as `EngineParts`. `LLMEngine`
-then only runs the loop.
+then only runs the loop. It times each start phase (`startup_phases.PHASES`) into
+`EngineParts.startup_phases` and logs them in one INFO line.
 
 Invariants: the hooks are registered in the order their lifecycle points must run: the KV
 hand-off first (requests it admits are running when the speculator proposes), then the
@@ -22,18 +23,22 @@ import torch
 from .config import ModelConfig
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
+from .gguf.detect import is_gguf_file
 from .kv_cache import KVCacheManager
 from .kv_transfer.handoff import KVHandoff
+from .layers.linear import uses_compiled_gemv
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .models.loader import load_model
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.speculator import Speculator
+from .startup_phases import StartupClock, process_age_s
 from .step_hooks import HookContext, StepHook
 from .threads import ThreadDecision, configure_threads
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+IMPORT_S = process_age_s()  # process start -> the engine's modules imported (this one imports after them)
 
 
 @dataclass(slots=True)
@@ -53,23 +58,35 @@ class EngineParts:
     speculator: Speculator | None
     handoff: KVHandoff | None
     hooks: list[StepHook]  # in registration order
+    startup_phases: dict[str, float]  # seconds per start phase (startup_phases.PHASES order), for logs and metrics
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
+    clock = StartupClock(IMPORT_S)
     config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
     if config.quantization is not None:
         from .quant.prepare import prepare_quantized
 
         quantized = prepare_quantized(config.model, config.quantization)
         config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
+    clock.mark("resolve")
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+    clock.mark("tokenizer")
     rc = resolve(config, ModelConfig.from_pretrained(config.model))
     threads = configure_threads(config.num_threads, is_cpu=rc.device.type == "cpu")
+    clock.mark("resolve")
     executor: MultiprocExecutor | None = None
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here
         model, model_config = executor.model, executor.model_config
         runner_config, sizing_config = executor.runner_config, executor.sizing_config
+    elif _loads_in_place(config, rc):
+        from .gguf.load import load_gguf
+
+        model, model_config = load_gguf(
+            config.model, rc.dtype, rc.device, rc.max_model_len, config.show_progress, pack_weights=True
+        )
+        runner_config = sizing_config = model_config
     else:
         model, model_config = load_model(
             config.model,
@@ -80,6 +97,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
             quantization=config.quantization,
         )
         runner_config = sizing_config = model_config
+    clock.mark("weights")
     num_blocks = rc.num_kv_blocks or size_kv_cache(config, rc, model_config, sizing_config)
     if executor is not None:
         executor.init_kv_cache(num_blocks)
@@ -92,10 +110,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
         enable_chunked_prefill=config.enable_chunked_prefill,
     )
     sampler = Sampler(config.seed, rc.device)
+    clock.mark("kv_cache")  # sized, and the block pool built (the scheduler and sampler: microseconds)
     runner = ModelRunner(model, runner_config, config.block_size, num_blocks, sampler, rc.device)
     if executor is not None:
         executor.model.bind_kv_caches(runner.kv_caches)
+    runner_s = clock.lap()  # the runner lays out the weights, then reserves the KV cache
+    clock.add("kv_cache", runner.kv_alloc_seconds)
+    clock.add("weight_layout", runner_s - runner.kv_alloc_seconds)
     runner.warm_up("target model")  # compiled ops and kernels built now, not on the first request
+    clock.mark("warmup")
     ctx = HookContext(
         tokenizer=tokenizer,
         model_config=model_config,
@@ -121,10 +144,21 @@ def build_engine(config: EngineConfig) -> EngineParts:
             )
         handoff = KVHandoff.build(config.kv_role, config.kv_port, config.kv_transfer_timeout_s, ctx)
     hooks: list[StepHook] = [hook for hook in (handoff, speculator) if hook is not None]
+    clock.mark("features")
+    logger.info("start-up phases (s): %s", clock.summary(), extra={"startup_phases": clock.phases})
     return EngineParts(
         config, rc, tokenizer, model, model_config, threads, executor, num_blocks, kv_cache, scheduler, sampler,
-        runner, speculator, handoff, hooks,
+        runner, speculator, handoff, hooks, clock.phases,
     )  # fmt: skip
+
+
+def _loads_in_place(config: EngineConfig, rc: ResolvedConfig) -> bool:
+    """A dense GGUF model for this process's CPU runner, which will not re-lay its weights out (the compiled
+    GEMV reads them as loaded): load it straight into the runner's huge-page arena (`gguf.load`), one write
+    per weight instead of a load and a copy."""
+    return (
+        rc.device.type == "cpu" and config.quantization is None and is_gguf_file(config.model) and uses_compiled_gemv()
+    )
 
 
 def size_kv_cache(config: EngineConfig, rc: ResolvedConfig, model_config: ModelConfig, kv_config: ModelConfig) -> int:

@@ -88,10 +88,12 @@ class ModelRunner:
                                        device, graph_backend)  # fmt: skip
             num_blocks += 1  # the padding rows' sink block
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        started = time.perf_counter()
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(config.num_hidden_layers)]
+        self.kv_alloc_seconds = time.perf_counter() - started  # start-up phase "kv_cache" (engine_builder)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":
+        if self.device.type == "cpu":  # reserved, not touched: pages fault in (kernel-zeroed) as blocks are used
             return hugepages.zeros(shape, self.config.torch_dtype)
         return torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
 

@@ -129,6 +129,21 @@ def test_zeros_are_aligned_zero_and_writable() -> None:
     assert cache.sum().item() == 1.5 * 2 * 64
 
 
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_zeros_are_reserved_not_touched(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A KV cache costs no resident memory until it is used: a fresh mapping, no page written at start."""
+    monkeypatch.setenv(hugepages.MODE_ENV, mode)
+    num_bytes = 64 << 20
+    cache = hugepages.zeros((num_bytes // (16 * 2 * 64 * 4), 16, 2, 64), torch.float32)
+    assert cache.untyped_storage().nbytes() >= num_bytes and cache.data_ptr() % hugepages.HUGE_PAGE == 0
+    if not Path("/proc/self/smaps").exists():
+        pytest.skip("no /proc/self/smaps to read resident memory from")
+    assert hugepages.mapped_bytes(cache, "Rss") == 0  # reserved: nothing faulted in yet
+    cache[3, 5] = 2.0  # one slot's keys: faults in one page (at most one 2 MiB huge page)
+    assert 0 < hugepages.mapped_bytes(cache, "Rss") <= hugepages.HUGE_PAGE
+    assert cache.sum().item() == 2.0 * 2 * 64  # every other byte reads as the kernel's zeros
+
+
 def test_engine_output_is_the_same_with_huge_pages_on_and_off(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

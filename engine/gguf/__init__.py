@@ -4,7 +4,8 @@ Modules, by role:
 - `errors`: `GGUFError`, the one exception every bad-file case raises (a `ValueError`, message names
   the file and what is wrong).
 - `detect`: is a path a GGUF file (stdlib only).
-- `reader`: opens a file with the `gguf` package once per process, checks it, answers metadata.
+- `header`: a fast parser of the header (metadata decoded straight from the mapped bytes).
+- `reader`: opens a file once per process (with `header`, else the `gguf` package), checks it, answers metadata.
 - `config`: `ModelConfig` from the `llama.*` / `qwen2.*` metadata.
 - `tensors`: GGUF tensor names -> Hugging Face names, dequantization, llama.cpp's Q/K row order undone.
 - `quantized`: Q8_0/Q4_0/Q4_1 kept quantized (Tidepool int8 / int4) instead of dequantized.
