@@ -56,6 +56,7 @@ class LLMEngine:
         self.isolation = StepIsolation()
         self._ready: list[RequestOutput] = []  # built between steps (first tokens of admitted requests)
         self.last_stats = self._stats_with()
+        self.startup_phases = parts.startup_phases  # seconds per start phase (engine/startup_phases.py)
         rc = self.resolved
         logger.info(
             "engine ready: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "

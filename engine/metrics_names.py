@@ -12,6 +12,7 @@ Invariants:
 - Every metric carries the label `MODEL_NAME_LABEL`; `REQUEST_SUCCESS` also carries
   `FINISHED_REASON_LABEL` ("stop", "length" or "abort").
 - Timestamps behind the histograms come from the engine's monotonic clock, in seconds.
+- Tidepool's own metrics (no vLLM equivalent) are named `tidepool:*` and listed apart.
 """
 
 from __future__ import annotations
@@ -71,3 +72,8 @@ HISTOGRAMS = (
 def sample_total(counter: str) -> str:
     """The sample name a counter family is scraped as: `vllm:prompt_tokens` -> `vllm:prompt_tokens_total`."""
     return f"{counter}_total"
+
+
+# Tidepool's own (no vLLM equivalent)
+STARTUP_PHASE_SECONDS = "tidepool:startup_phase_seconds"  # gauge: seconds each engine start phase took
+STARTUP_PHASE_LABEL = "phase"  # engine/startup_phases.PHASES: import, resolve, tokenizer, weights, ...

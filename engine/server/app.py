@@ -208,6 +208,7 @@ def _load(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
         info = async_engine.info
         async_engine.metrics = EngineMetrics(config.model_name, info.max_model_len, info.max_num_batched_tokens,
                                              info.cache_config)  # fmt: skip
+        async_engine.metrics.record_startup(engine.startup_phases)
         encoder = PromptEncoder(info.tokenizer, info.max_model_len)
         serving = Serving(async_engine, config.model_name, encoder, LogprobFormatter(info.tokenizer))
     except BaseException as err:

@@ -203,6 +203,9 @@ class EngineMetrics:
             [b for b in ITERATION_BUCKETS if b <= max_num_batched_tokens],
         )
 
+        self._startup = Gauge(names.STARTUP_PHASE_SECONDS, "Seconds each start phase of the engine took.",
+                              [*label, names.STARTUP_PHASE_LABEL], registry=reg)  # fmt: skip
+
         self.model_name = model_name
         self._seen: dict[str, _Seen] = {}
         self._last: EngineStats | None = None
@@ -230,6 +233,11 @@ class EngineMetrics:
             "_iteration",
         ):
             setattr(self, attr, getattr(self, attr).labels(model_name))
+
+    def record_startup(self, phases: dict[str, float]) -> None:
+        """Where this engine's start-up went (`LLMEngine.startup_phases`), once, when it is ready."""
+        for phase, seconds in phases.items():
+            self._startup.labels(self.model_name, phase).set(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
