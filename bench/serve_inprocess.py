@@ -5,8 +5,9 @@ step timed in one process and an online token timed in another compare placement
 serving path. Here the engine `tidepool serve` is about to serve is built exactly as the CLI builds
 it (`cli.parse_args` + `cli._server_config`), stepped directly (`LLMEngine.step()` on this thread)
 for the offline figures, written to `--offline-json`, and then served over HTTP by the unchanged
-server code: the app's loader gets this engine instead of building a second one. After SIGTERM (the
-server drains and stops) the lone sequence is timed once more and added as `after`.
+server code: the app's loader gets this engine instead of building a second one. After each SIGTERM
+(the server drains and stops) the lone sequence is timed again (`rounds`; the last is `after`), and
+with `--cycles N` the engine is served again, N periods in all, each between two offline timings.
 
     python bench/serve_inprocess.py --offline-json F --levels 1,4,16 --input-len 128 --output-len 128 \\
         -- --model MODEL --host 127.0.0.1 --port 8000 --served-model-name bench
@@ -26,14 +27,16 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(engine: Any, levels: list[int], input_len: int, output_len: int, repeats: int) -> dict:
-    """Prefill and decode step of a lone sequence; output tok/s and decode step of each batch B > 1 given at once."""
+def measure(engine: Any, levels: list[int], input_len: int, output_len: int, repeats: int, seed: int = 0) -> dict:
+    """Prefill and decode step of a lone sequence; output tok/s and decode step of each batch B > 1 given at once.
+
+    Each call needs its own `seed`: the same prompts again would hit the prefix cache and time no prefill."""
     from tidepool.engine import SamplingParams
 
     vocab = engine.model_config.vocab_size
-    rng = random.Random(1234)
+    rng = random.Random(1234 + seed)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    counter = iter(range(1 << 30))
+    counter = iter(range(seed << 20, (seed + 1) << 20))  # request ids unique across calls
 
     def run_batch(batch: int) -> tuple[float, list[float], float]:
         """(seconds to the batch's first tokens, decode-step gaps, seconds to the end)."""
@@ -72,6 +75,7 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cycles", type=int, default=1, help="serving periods, each followed by a lone-sequence timing")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `tidepool serve` flags")
     args = p.parse_args()
     serve_argv = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
@@ -89,11 +93,17 @@ def main() -> int:
     # The app's loader builds `LLMEngine(config.engine)`; hand it this one, measured and warm, instead.
     llm_engine.LLMEngine = lambda _config: engine  # type: ignore[assignment,misc]
     code = cli.serve(config, serve.host, serve.port)
-    # The server has stopped and its engine thread is gone: time a lone sequence again, since this VM's
-    # bandwidth drifts within a process too (the report shows both, and the online figures between them).
-    after = measure(engine, [1], args.input_len, args.output_len, args.repeats)
-    offline["after"] = {"prefill_ms": after["prefill_ms"], "decode_step_ms": after["decode_step_ms"]}
-    args.offline_json.write_text(json.dumps(offline))
+    # Each time the server has stopped (SIGTERM: it drains, its engine thread is gone), time a lone sequence
+    # again, since this VM's bandwidth drifts within a process too; then serve again, `--cycles` times in all.
+    # `rounds` holds those timings: every serving period lies between two offline ones.
+    offline["rounds"] = []
+    for cycle in range(args.cycles):
+        lone = measure(engine, [1], args.input_len, args.output_len, args.repeats, seed=cycle + 1)
+        offline["rounds"].append({"prefill_ms": lone["prefill_ms"], "decode_step_ms": lone["decode_step_ms"]})
+        offline["after"] = offline["rounds"][-1]
+        args.offline_json.write_text(json.dumps(offline))
+        if cycle + 1 < args.cycles:
+            code = cli.serve(config, serve.host, serve.port)
     return code
 
 

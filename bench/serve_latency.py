@@ -36,6 +36,7 @@ import platform
 import re
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -109,14 +110,16 @@ def minimal_level(url: str, dataset: Path, concurrency: int, num_requests: int, 
                         tpot["median"])  # fmt: skip
 
 
-def start_server(args: argparse.Namespace, levels: list[int], out: Path) -> tuple[subprocess.Popen[bytes], str, dict]:
+def start_server(
+    args: argparse.Namespace, levels: list[int], out: Path, cycles: int = 1
+) -> tuple[subprocess.Popen[bytes], str, dict]:
     """bench/serve_inprocess.py: the offline figures of the engine it then serves, and its URL once ready."""
     port = procs.free_port()
     log, offline_json = out / "server.log", out / "offline.json"
     offline_json.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).with_name("serve_inprocess.py")), "--offline-json", str(offline_json),
            "--levels", ",".join(map(str, levels)), "--input-len", str(args.input_len),
-           "--output-len", str(args.output_len), "--repeats", str(args.repeats),
+           "--output-len", str(args.output_len), "--repeats", str(args.repeats), "--cycles", str(cycles),
            "--", "--model", args.model, "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
            *args.serve_flags]  # fmt: skip
     with log.open("wb") as sink:
@@ -202,6 +205,66 @@ def measure_level(
     return row
 
 
+def alternate(args: argparse.Namespace, out: Path) -> dict:
+    """Concurrency 1 only, in `--alternate` serving periods of one process, each between two offline timings of a
+    lone sequence: each period's ITL and TTFT against the mean of the two timings around it, so the VM's
+    bandwidth drift (which moves the offline step by 10% within minutes) cancels instead of deciding the ratio."""
+    proc, url, off = start_server(args, [1], out, cycles=args.alternate)
+    clients = args.clients.split(",")
+    count = max(args.min_requests, args.requests_per_stream)
+    tokenizer = Path(args.tokenizer or args.model)
+    total = args.alternate * len(clients) * count
+    pool = make_dataset(tokenizer, args.input_len, args.output_len, total, out / "prompts.jsonl").read_text()
+    pool = pool.splitlines(keepends=True)
+    rows = []
+    try:
+        for cycle in range(args.alternate):
+            if cycle:
+                procs.wait_ready(url, proc, out / "server.log", timeout=600)
+            for client in clients:
+                dataset = out / f"prompts-{client}-cycle{cycle}.jsonl"
+                dataset.write_text("".join(pool[:count]))
+                del pool[:count]
+                row = measure_level(proc.pid, url, client, 1, count, dataset, tokenizer, args, out / "guidellm.log")
+                rows.append({**row, "cycle": cycle})
+            proc.send_signal(signal.SIGTERM)  # drains and stops; the process times a lone sequence, then serves again
+            while True:
+                try:
+                    if httpx.get(f"{url}/ready", timeout=2).status_code != 200:
+                        break
+                except httpx.HTTPError:
+                    break
+                time.sleep(0.2)
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    off = json.loads((out / "offline.json").read_text())
+    lone = [off["decode_step_ms"], *(r["decode_step_ms"] for r in off["rounds"])]
+    prefill = [off["prefill_ms"], *(r["prefill_ms"] for r in off["rounds"])]
+    for row in rows:
+        i = row["cycle"]
+        row["offline_step_ms"] = (lone[i] + lone[i + 1]) / 2
+        row["offline_prefill_ms"] = (prefill[i] + prefill[i + 1]) / 2
+        row["itl_over_step"] = row["itl_p50_ms"] / row["offline_step_ms"]
+        row["ttft_minus_prefill_ms"] = row["ttft_p50_ms"] - row["offline_prefill_ms"]
+    summary = {}
+    for client in clients:
+        mine = [r for r in rows if r["client"] == client]
+        summary[client] = {
+            "itl_over_step_median": statistics.median(r["itl_over_step"] for r in mine),
+            "ttft_minus_prefill_median_ms": statistics.median(r["ttft_minus_prefill_ms"] for r in mine),
+        }
+    print(f"{'cycle':>5} {'client':>8} {'ITL p50':>8} {'offline step':>13} {'ratio':>6} {'TTFT p50':>9} {'prefill':>8}")
+    for r in rows:
+        print(f"{r['cycle']:>5} {r['client']:>8} {r['itl_p50_ms']:>8.2f} {r['offline_step_ms']:>13.2f} "
+              f"{r['itl_over_step']:>6.3f} {r['ttft_p50_ms']:>9.1f} {r['offline_prefill_ms']:>8.1f}")  # fmt: skip
+    print("lone-sequence steps (ms), in order:", ", ".join(f"{v:.2f}" for v in lone))
+    print("medians:", json.dumps({c: {k: round(v, 3) for k, v in m.items()} for c, m in summary.items()}))
+    return {"model": args.model, "mode": "alternate", "cycles": args.alternate, "offline": off, "online": rows,
+            "summary": summary, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}  # fmt: skip
+
+
 # ---- report ---------------------------------------------------------------------------------------
 def verdicts(off: dict, rows: list[dict]) -> dict:
     """Per client: c=1 ITL p50 / offline decode step, c=1 TTFT p50 - offline prefill, and online / offline tok/s."""
@@ -281,6 +344,13 @@ def main() -> None:
     p.add_argument("--clients", default=",".join(CLIENTS), help="guidellm, minimal (bench/serve.py's), or both")
     p.add_argument("--client-nice", type=int, default=0, help="run guidellm at this nice level (0: as the server)")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="concurrency 1 only: N serving periods, each between two offline timings (cancels drift)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny random model, short requests, levels 1 and 4")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("serve_flags", nargs="*", help="more `tidepool serve` flags, after --")
@@ -293,6 +363,12 @@ def main() -> None:
     if not args.model:
         p.error("give --model (or --quick)")
     args.out = args.out.resolve()  # the server process runs from /tmp
+    if args.alternate:
+        args.out.mkdir(parents=True, exist_ok=True)
+        record = alternate(args, args.out)
+        (args.out / "serve_latency_alternate.json").write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.out / 'serve_latency_alternate.json'}")
+        return
     levels = [int(v) for v in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{args.model}: prompts of {args.input_len} tokens, {args.output_len} out; offline then online (guidellm, "
