@@ -98,19 +98,13 @@ def _madvise(address: int, length: int) -> int:
 
 
 def advised_empty(num_bytes: int) -> torch.Tensor:
-    """An uninitialised uint8 CPU tensor of `num_bytes`, starting on a 2 MiB boundary and advised for huge pages.
+    """A uint8 CPU tensor of `num_bytes`, starting on a 2 MiB boundary and advised for huge pages (`fresh_zeros`).
 
-    Advise before the first touch: the kernel then faults the range in 2 MiB at a time. A failed
-    madvise (old kernel, THP compiled out) leaves an ordinary buffer and logs a warning.
+    Callers treat it as uninitialised and write it. Advise before the first touch: the kernel then faults
+    the range in 2 MiB at a time. A failed madvise (old kernel, THP compiled out) leaves an ordinary buffer
+    and logs a warning.
     """
-    length = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside the allocation below
-    raw = torch.empty(length + HUGE_PAGE, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % HUGE_PAGE
-    buffer = raw[offset : offset + num_bytes]
-    error = _madvise(buffer.data_ptr(), length) if num_bytes else 0
-    if error:
-        logger.warning("huge pages: madvise failed (%s); this buffer uses ordinary pages", os.strerror(error))
-    return buffer
+    return fresh_zeros(num_bytes, advise=True)
 
 
 def huge_page_bytes(tensor: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:
