@@ -1,4 +1,6 @@
-"""What an engine outcome becomes on the wire: the OpenAI-shaped `APIError` of a failure, and SSE event lines.
+"""What an engine outcome becomes on the wire: the OpenAI-shaped `APIError` of a failure, and its SSE event.
+
+(A streamed token's event lines are sse.py's.)
 
 Role: one mapping from the engine's exceptions and final outputs to HTTP answers, shared by the
 JSON and the streaming paths of serving.py, so a failure reads the same either way:
@@ -14,7 +16,6 @@ import json
 from collections.abc import Awaitable
 
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from ..outputs import RequestOutput
 from .async_engine import EngineDeadError, QueueFullError, RequestRejectedError, RequestStream, ShutdownError
@@ -62,7 +63,3 @@ def refusal(err: QueueFullError | EngineDeadError) -> APIError:
 
 def error_event(error: APIError) -> str:
     return f"data: {json.dumps(error.body())}\n\n"
-
-
-def event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"

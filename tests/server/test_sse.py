@@ -12,6 +12,7 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
 from tidepool.engine.server.protocol import (
     ChatChunkChoice,
@@ -25,7 +26,6 @@ from tidepool.engine.server.protocol import (
     TopLogprob,
     Usage,
 )
-from tidepool.engine.server.replies import event
 from tidepool.engine.server.sse import StreamChunks
 
 # Any code point but lone surrogates (they cannot be sent as UTF-8 at all).
@@ -47,6 +47,13 @@ CHAT_LOGPROBS = st.one_of(
     st.builds(ChatLogprobs, content=st.lists(st.builds(TokenLogprob, token=TEXT, logprob=LOGPROB,
                                                         top_logprobs=st.lists(TOP, max_size=2)), max_size=2)),
 )  # fmt: skip
+
+
+def event(body: BaseModel) -> str:
+    """The reference: the `data:` line pydantic's own JSON of the whole chunk makes."""
+    return f"data: {body.model_dump_json()}\n\n"
+
+
 IDS = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=20)
 
 
