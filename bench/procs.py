@@ -56,11 +56,11 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
     raise RuntimeError(f"{url} not ready after {timeout} s; its log: {log}")
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (the servers drain), then a kill if it does not exit within 30 s."""
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM (the servers drain), then a kill if it does not exit within `timeout` seconds."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()

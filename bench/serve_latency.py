@@ -165,11 +165,7 @@ def online(args: argparse.Namespace, levels: list[int], out: Path) -> tuple[dict
         print(f"server log: {out / 'server.log'}", file=sys.stderr)
         raise
     finally:
-        proc.send_signal(signal.SIGTERM)  # drains, stops, then times the lone sequence again: give it minutes
-        try:
-            proc.wait(300)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        procs.stop(proc, timeout=300)  # it drains, stops, then times the lone sequence again: give it minutes
     after = json.loads((out / "offline.json").read_text()).get("after")
     if after is not None:  # the lone sequence timed again once the server stopped (see serve_inprocess.py)
         off["after"] = after
