@@ -44,6 +44,7 @@ from tidepool.operator.cache import PodInfo
 
 from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource
 from .config import config_from_spec, declared_replicas, is_enabled, pool_names
+from .forecast import Prediction
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
 
@@ -136,6 +137,7 @@ def autoscaling_status(
             "heldRequests": snap.held_requests,
             "podsScraped": float(snap.num_pods_scraped),
             "loadRatio": d.load_ratio,
+            **_prediction_inputs(d.prediction),
         }
         pools[pool] = {"desiredReplicas": d.desired, "inputs": {k: v for k, v in inputs.items() if v is not None}}
     scaled = decision.is_scaling and not decision.is_advisory
@@ -150,6 +152,23 @@ def autoscaling_status(
         "recommendations": _recommendations(history),
     }
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _prediction_inputs(prediction: Prediction | None) -> dict[str, float | None]:
+    """What anticipation based the decision on: forecast (tokens/s, `lookaheadSeconds` ahead), burst
+    headroom, learned capacity per replica at the target and at the limit, and the replicas it asked for."""
+    if prediction is None:
+        return {}
+    return {
+        "forecastTokensPerSecond": round(prediction.forecast, 3),
+        "lookaheadSeconds": round(prediction.lookahead_s, 1),
+        "headroom": round(prediction.headroom, 4),
+        "capacityTokensPerSecond": None if prediction.capacity is None else round(prediction.capacity, 3),
+        "capacityLimitTokensPerSecond": (
+            None if prediction.capacity_limit is None else round(prediction.capacity_limit, 3)
+        ),
+        "predictedReplicas": None if prediction.replicas is None else float(prediction.replicas),
+    }
 
 
 def _material(auto: Mapping[str, Any]) -> Any:
@@ -244,7 +263,10 @@ class Autoscaler:
             stuck = [
                 msg for p in pods if p.pool == pool and not p.is_ready for r, msg in p.problems if r == "Unschedulable"
             ]
-            states[pool] = PoolState(int(replicas), len(stuck), stuck[0] if stuck else "")
+            ready = (recorded.get(pool) or {}).get("readyReplicas")
+            states[pool] = PoolState(
+                int(replicas), len(stuck), stuck[0] if stuck else "", int(ready) if ready is not None else None
+            )
         return states
 
     async def tick(self, key: Key, body: Mapping[str, Any]) -> Mapping[str, Any]:

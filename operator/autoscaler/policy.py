@@ -13,6 +13,10 @@ How a pool's replicas are chosen, in order:
    Within the tolerance band |ratio - 1| <= tolerance nothing changes. Scale-down uses the
    utilization signals only, and only while every latency p95 is below
    `down_latency_headroom` x its SLO (latency is not proportional to load near saturation).
+   Anticipation (`config.is_predictive`, anticipate.py / forecast.py / capacity.py): once a pool's
+   per-replica capacity is learned, the replicas for its demand forecast one start-up ahead (with
+   burst headroom) join in: they raise any recommendation, and replace it when the pool may shrink
+   (never while latency is near the SLO or data is incomplete).
 2. Stabilization as in the Kubernetes HPA: up = min of the recommendations of the last
    `up_seconds`, down = max of those of the last `down_seconds` (fast up, slow down).
 3. Step bound: at most `max_step_percent` of current per decision (up: at least
@@ -37,6 +41,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .anticipate import after_decision, anticipate, combine, describe, queue_utilization
 from .policy_types import (
     DECODE,
     PREFILL,
@@ -55,22 +60,13 @@ _EPS = 1e-9
 LATENCY_RATIO_CAP = 2.0
 
 
-def _queue_utilization(depth: float) -> float:
-    """Requests in flight per replica -> utilization, inverting L = rho / (1 - rho) (M/M/1).
-
-    Queue depth is not proportional to load (it explodes near saturation); utilization is, so
-    ratios of utilizations give replica counts that neither overshoot on the way down nor
-    compound a transient backlog on the way up (the ratio is bounded by (1 + target) / target).
-    """
-    return depth / (1.0 + depth)
-
-
 @dataclass(frozen=True, slots=True)
 class _Evaluation:
     recommendation: int
     ratio: float | None
     signal: str
     is_complete: bool
+    may_shrink: bool = False  # complete data, latency well below the SLO, a utilization signal: may go down
 
 
 def decide(
@@ -89,9 +85,19 @@ def decide(
     history = history or History()
     snaps = {name: snapshots.get(name) or PoolSnapshot() for name in pool_names}
     evals = {name: _evaluate(name, config, snaps[name], current[name]) for name in pool_names}
+    anticipated = {
+        name: anticipate(
+            name, config, snaps[name], current[name], evals[name].is_complete, history.forecasts.get(name), now
+        )
+        for name in pool_names
+    }
+    predictions = {name: a[1] if config.is_predictive else None for name, a in anticipated.items()}
 
     horizon = max(config.up_seconds, config.down_seconds)
-    raw = {name: e.recommendation for name, e in evals.items()}
+    raw = {
+        name: combine(e.recommendation, e.may_shrink, current[name].replicas, predictions[name], config)
+        for name, e in evals.items()
+    }
     kept = tuple((t, r) for t, r in history.recommendations if t > now - horizon - _EPS)
     recs = (*kept, (now, raw))
 
@@ -132,12 +138,13 @@ def decide(
         name: PoolDecision(
             current=current[name].replicas,
             desired=desired[name],
-            recommendation=evals[name].recommendation,
+            recommendation=raw[name],
             load_ratio=evals[name].ratio,
             signal=evals[name].signal,
             is_limited=name in limited,
             limited_reason=limited.get(name, ""),
             has_complete_data=evals[name].is_complete,
+            prediction=predictions[name],
         )
         for name in pool_names
     }
@@ -152,6 +159,7 @@ def decide(
         recommendations=recs,
         last_scale_time=now if is_scaling and not config.is_advisory else history.last_scale_time,
         last_active_time=last_active,
+        forecasts={name: after_decision(a[0], current[name], applied[name]) for name, a in anticipated.items()},
     )
     return Decision(pools=pools, replicas=applied, is_advisory=config.is_advisory, reason=reason, history=next_history)
 
@@ -184,7 +192,7 @@ def _evaluate(name: str, config: AutoscaleConfig, snap: PoolSnapshot, state: Poo
         queued = snap.num_waiting + ((snap.num_running or 0.0) if name == PREFILL else 0.0)
         per_replica = queued / measured
         label = f"queue {per_replica:.1f}/replica / {config.queue_depth_target:g}"
-        utilization.append((_queue_utilization(per_replica) / _queue_utilization(config.queue_depth_target), label))
+        utilization.append((queue_utilization(per_replica) / queue_utilization(config.queue_depth_target), label))
     if serves_decode and snap.preemptions_per_s:
         rate = snap.preemptions_per_s / measured
         utilization.append((1 + 2 * config.tolerance + min(rate, 1.0), f"preemptions {rate:.2f}/s/replica"))
@@ -201,8 +209,8 @@ def _evaluate(name: str, config: AutoscaleConfig, snap: PoolSnapshot, state: Poo
         return _Evaluation(cur, ratio, signal, is_complete)
     down_ratio, down_signal = max(utilization, key=lambda s: s[0])
     if down_ratio < 1 - config.tolerance:
-        return _Evaluation(min(cur, math.ceil(down_ratio * expected - _EPS)), down_ratio, down_signal, True)
-    return _Evaluation(cur, ratio, signal, is_complete)
+        return _Evaluation(min(cur, math.ceil(down_ratio * expected - _EPS)), down_ratio, down_signal, True, True)
+    return _Evaluation(cur, ratio, signal, is_complete, True)
 
 
 def _stabilize(
@@ -288,6 +296,8 @@ def _describe(name: str, pool: PoolDecision) -> str:
     move = f"{pool.current}->{pool.desired}" if pool.desired != pool.current else f"{pool.current}"
     ratio = f" (ratio {pool.load_ratio:.2f})" if pool.load_ratio is not None else ""
     text = f"{name} {move}: {pool.signal}{ratio}"
+    if pool.prediction is not None:
+        text += f"; {describe(pool.prediction)}"
     if not pool.has_complete_data:
         text += ", incomplete data: no scale-down"
     if pool.is_limited:

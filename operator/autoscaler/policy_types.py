@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from tidepool.operator.api.spec import POOL_DECODE, POOL_PREFILL, POOL_UNIFIED, AutoscalingSpec
 
+from .forecast import ForecastConfig, PoolForecast, Prediction
+
 UNIFIED, PREFILL, DECODE = POOL_UNIFIED, POOL_PREFILL, POOL_DECODE
 # The API's defaults: what an InferenceService that sets none of autoscaling.* gets. AutoscaleConfig's
 # defaults are these, so the simulator and the operator agree without a copy.
@@ -58,6 +60,10 @@ class AutoscaleConfig:
     # prefill:decode replica ratio bounds (autoscaling.prefillDecodeRatio {min, max}).
     pd_ratio_min: float = _API.prefill_decode_ratio.min
     pd_ratio_max: float = _API.prefill_decode_ratio.max
+    # Anticipation (forecast.py): replicas for the demand forecast one pod start-up ahead, with headroom from
+    # observed forecast errors and per-replica capacity learned from the live metrics. False: reactive only.
+    is_predictive: bool = True
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,8 @@ class PoolSnapshot:
     num_waiting: float | None = None  # sum over scraped pods
     num_running: float | None = None  # sum over scraped pods
     preemptions_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None  # prompt tokens of requests that got a first token, per second
+    generation_tokens_per_s: float | None = None  # tokens generated per second
     held_requests: float = 0.0  # router: requests held while the pool has no ready replica
     num_pods_scraped: int = 0
     num_pods_failed: int = 0
@@ -84,6 +92,7 @@ class PoolState:
     replicas: int  # the workload's spec.replicas
     num_unschedulable: int = 0  # pods Pending with PodScheduled=False/Unschedulable
     unschedulable_message: str = ""  # the scheduler's message, e.g. "0/2 nodes: Insufficient nvidia.com/gpu"
+    num_ready: int | None = None  # replicas passing readiness (None: unknown); start-up time is learned from it
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +100,8 @@ class History:
     recommendations: tuple[tuple[float, Mapping[str, int]], ...] = ()  # (time, raw recommendation per pool)
     last_scale_time: float | None = None
     last_active_time: float | None = None  # last time any pool saw a request (idle -> zero)
+    # Anticipation's learned state per pool (forecast.py); in memory only: an operator restart relearns it.
+    forecasts: Mapping[str, PoolForecast] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +114,7 @@ class PoolDecision:
     is_limited: bool = False
     limited_reason: str = ""
     has_complete_data: bool = False
+    prediction: Prediction | None = None  # what anticipation asked for (None: not predictive or nothing learned)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ from .policy_types import PoolSnapshot
 
 QUANTILE = 0.95
 _PREEMPTIONS = names.sample_total(names.NUM_PREEMPTIONS)
+_PROMPT_TOKENS = names.sample_total(names.PROMPT_TOKENS)
+_GENERATION_TOKENS = names.sample_total(names.GENERATION_TOKENS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +72,15 @@ class PoolWindow:
         ttft: Histogram | None = None
         itl: Histogram | None = None
         preemptions = 0.0
+        tokens: dict[str, float] = {}  # token counters' increases, for the counters the pods report
         for pod_name, now in latest.pods.items():
             baseline = next((s.pods[pod_name] for s in older if pod_name in s.pods), None)
             ttft = _add(ttft, _delta(now, baseline, names.TIME_TO_FIRST_TOKEN_SECONDS))
             itl = _add(itl, _delta(now, baseline, names.INTER_TOKEN_LATENCY_SECONDS))
-            new_count = now.counters.get(_PREEMPTIONS, 0.0)
-            old_count = baseline.counters.get(_PREEMPTIONS, 0.0) if baseline is not None else 0.0
-            preemptions += new_count - old_count if new_count >= old_count else new_count
+            preemptions += _counter_delta(now, baseline, _PREEMPTIONS)
+            for sample in (_PROMPT_TOKENS, _GENERATION_TOKENS):
+                if sample in now.counters:
+                    tokens[sample] = tokens.get(sample, 0.0) + _counter_delta(now, baseline, sample)
         pods = list(latest.pods.values())
         has_window = bool(older) and span > 0
         return PoolSnapshot(
@@ -87,6 +91,10 @@ class PoolWindow:
             num_waiting=_sum(p.gauges.get(names.NUM_REQUESTS_WAITING) for p in pods),
             num_running=_sum(p.gauges.get(names.NUM_REQUESTS_RUNNING) for p in pods),
             preemptions_per_s=preemptions / span if has_window else None,
+            prompt_tokens_per_s=tokens[_PROMPT_TOKENS] / span if has_window and _PROMPT_TOKENS in tokens else None,
+            generation_tokens_per_s=(
+                tokens[_GENERATION_TOKENS] / span if has_window and _GENERATION_TOKENS in tokens else None
+            ),
             held_requests=latest.held_requests,
             num_pods_scraped=len(pods),
             num_pods_failed=latest.num_pods_failed,
@@ -99,6 +107,13 @@ def _delta(now: PodMetrics, baseline: PodMetrics | None, family: str) -> Histogr
     if hist is None:
         return None
     return hist.minus(baseline.histograms.get(family) if baseline is not None else None)
+
+
+def _counter_delta(now: PodMetrics, baseline: PodMetrics | None, sample: str) -> float:
+    """Increase of a counter since the baseline; a counter that went down (pod restarted) counts from zero."""
+    new_count = now.counters.get(sample, 0.0)
+    old_count = baseline.counters.get(sample, 0.0) if baseline is not None else 0.0
+    return new_count - old_count if new_count >= old_count else new_count
 
 
 def _add(acc: Histogram | None, hist: Histogram | None) -> Histogram | None:

@@ -23,6 +23,8 @@ def engine_metrics_text(
     waiting: int = 0,
     running: int = 0,
     preemptions: int = 0,
+    prompt_tokens: int = 0,
+    generation_tokens: int = 0,
     model_names: tuple[str, ...] = ("m",),
 ) -> str:
     """One pod's /metrics body; observations are split round-robin over `model_names`."""
@@ -34,6 +36,8 @@ def engine_metrics_text(
     wait_g = Gauge(names.NUM_REQUESTS_WAITING, "w", label, registry=registry)
     run_g = Gauge(names.NUM_REQUESTS_RUNNING, "r", label, registry=registry)
     pre_c = Counter(names.NUM_PREEMPTIONS, "p", label, registry=registry)
+    prompt_c = Counter(names.PROMPT_TOKENS, "pt", label, registry=registry)
+    gen_c = Counter(names.GENERATION_TOKENS, "gt", label, registry=registry)
     for i, value in enumerate(ttft):
         ttft_h.labels(model_names[i % len(model_names)]).observe(value)
     for i, value in enumerate(itl):
@@ -45,6 +49,8 @@ def engine_metrics_text(
     wait_g.labels(model_names[0]).set(waiting)
     run_g.labels(model_names[0]).set(running)
     pre_c.labels(model_names[0]).inc(preemptions)
+    prompt_c.labels(model_names[0]).inc(prompt_tokens)
+    gen_c.labels(model_names[0]).inc(generation_tokens)
     return generate_latest(registry).decode()
 
 

@@ -157,12 +157,21 @@ class FakeKube:
 
 
 class FixedSource:
+    """Every pod: 5 requests and 50 tokens per scrape (15 s apart in the tests), `kv` KV usage, 10 running."""
+
     def __init__(self, kv: float, num_pods: int = 2):
         self.kv, self.calls, self.num_pods = kv, 0, num_pods
 
     async def fetch(self, namespace, name, pools):
         self.calls += 1
-        body = engine_metrics_text(ttft=[0.05] * 5 * self.calls, itl=[0.01] * 50 * self.calls, kv=self.kv)
+        body = engine_metrics_text(
+            ttft=[0.05] * 5 * self.calls,
+            itl=[0.01] * 50 * self.calls,
+            kv=self.kv,
+            running=10,
+            prompt_tokens=500 * self.calls,
+            generation_tokens=50 * self.calls,
+        )
         return {pool: PoolBodies({f"{pool}-{i}": body for i in range(self.num_pods)}) for pool in pools}
 
 
@@ -215,6 +224,22 @@ def test_active_mode_records_the_replicas_for_the_reconcile():
     assert status["pools"]["unified"]["inputs"]["kvCacheUsage"] == 0.9
     assert "kv_cache 0.90" in status["lastDecision"]
     assert status["recommendations"] and status["lastActiveTime"]
+
+
+def test_status_shows_the_forecast_and_learned_capacity_behind_the_decision():
+    """After a few ticks of steady traffic the decision carries anticipation's inputs, in status and reason."""
+    body, _, _ = run_ticks(isvc(), kv=0.4, ticks=8)
+    inputs = body["status"]["autoscaling"]["pools"]["unified"]["inputs"]
+    # 2 pods x 50 generated tokens per 15 s scrape = 6.67 tokens/s; 2 pods x 500 prompt tokens = 66.7 tokens/s:
+    # the prefill channel (the larger demand per replica at its capacity) or the decode one binds.
+    assert inputs["forecastTokensPerSecond"] in (pytest.approx(100 / 15, rel=0.01), pytest.approx(1000 / 15, rel=0.01))
+    assert (
+        inputs["capacityTokensPerSecond"] > 0
+        and inputs["capacityLimitTokensPerSecond"] >= inputs["capacityTokensPerSecond"]
+    )
+    assert inputs["lookaheadSeconds"] >= 120 and inputs["headroom"] >= 1.0
+    assert inputs["predictedReplicas"] >= 1
+    assert "forecast" in body["status"]["autoscaling"]["lastDecision"]
 
 
 def test_advisory_mode_changes_only_status():

@@ -233,7 +233,7 @@ def test_constant_load_settles_without_flapping(load, start, latency_scale, up_s
             num_requests=100.0,
             kv_cache_usage=min(0.75 * per_replica, 1.0),
             num_waiting=0.0,
-            num_running=10.0 * replicas,
+            num_running=10.0 * load,  # sequences follow the load, not the replica count
             num_pods_scraped=replicas,
             window_s=60.0,
         )
