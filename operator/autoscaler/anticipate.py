@@ -6,7 +6,9 @@ returns the largest channel's prediction; `combine` merges that prediction with 
 recommendation; `after_decision` times the start-up of any scale-up the decision made.
 
 Invariants:
-- Only complete data teaches anything (a pool with failed or missing scrapes keeps its state).
+- Only data complete for the pods that serve teaches anything: every ready pod scraped, none failed
+  (pods still starting have no metrics yet and do not make a window incomplete here, unlike for the
+  reactive rules, which must not shrink a pool while they start).
 - `combine` never lets anticipation shrink a pool the reactive rules hold (latency near the SLO,
   incomplete data), and never lowers a reactive scale-up; it may shrink a pool whose utilization
   allows it down to the prediction (which includes the forecast, headroom and learned capacity).
