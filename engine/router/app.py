@@ -1,10 +1,11 @@
 """The router's FastAPI app: OpenAI-compatible routes in front of engine pools, and its background tasks.
 
-Routes: `POST /v1/completions` and `/v1/chat/completions` (proxied, see `proxy`),
-`GET /v1/models` (from a ready replica of the serving pool, held like a request), `/health`
-(the router process is alive), `/ready` (200 as soon as the router runs, even at zero
-replicas: it must take requests in to hold them, which is what makes the pool scale up
-from zero), `/metrics` (the router's own metrics), `/debug/replicas` (pool states, JSON).
+Routes: `POST /v1/completions`, `/v1/chat/completions` and vLLM's `/tokenize` and
+`/detokenize` (proxied, see `proxy`), `GET /v1/models` (from a ready replica of the serving
+pool, held like a request), `/health` (the router process is alive), `/ready` (200 as soon as
+the router runs, even at zero replicas: it must take requests in to hold them, which is what
+makes the pool scale up from zero), `/metrics` (the router's own metrics), `/debug/replicas`
+(pool states, JSON).
 
 Background tasks, started with the app and cancelled at shutdown: discovery (static or
 Kubernetes) and the health checker. The router never loads a model and never imports torch.
@@ -179,14 +180,14 @@ def build_app(config: RouterConfig) -> FastAPI:
             )
         return await state.proxy.forward(path, body, raw)
 
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await proxied("/v1/completions", raw)
+    def proxy_route(path: str) -> None:
+        async def route(raw: Request) -> Response:
+            return await proxied(path, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        return await proxied("/v1/chat/completions", raw)
+        app.post(path, name=path.strip("/").replace("/", "_"))(route)
 
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        proxy_route(path)
     return app
 
 

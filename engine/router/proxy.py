@@ -21,6 +21,10 @@ with the engine side (`kv_transfer_params` in the request body):
 A `kv_transfer_params` sent by the client is replaced. A failure at P, or at D before a byte
 was relayed, retries the whole hand-off with a new transfer id on replicas not yet tried.
 
+Tokenizer calls (`/tokenize`, `/detokenize`) are forwarded as they are to one replica of the
+serving pool (unified, or decode when disaggregated), chosen by that pool's policy like any
+request: they need no hand-off, only the served model's tokenizer, which every replica has.
+
 Retries (both modes): a connection error, a 5xx or a 429 before any byte reached the client
 is retried on another replica, at most `max_retries` times; the last upstream error (or a
 502) is then returned. A stream is relayed event by event (SSE events are never split);
@@ -63,6 +67,8 @@ from .upstream import (
 
 logger = logging.getLogger(__name__)
 
+TOKENIZER_PATHS = frozenset({"/tokenize", "/detokenize"})  # no generation: never a prefill/decode hand-off
+
 
 @dataclass(slots=True)
 class ProxySettings:
@@ -76,7 +82,7 @@ class ProxySettings:
 class Call:
     """One client request on its way through the router."""
 
-    path: str  # /v1/completions or /v1/chat/completions
+    path: str  # /v1/completions, /v1/chat/completions, /tokenize or /detokenize
     body: dict[str, Any]  # the client's JSON body
     raw: Request  # to notice the client's disconnect
     key: bytes | None  # prefix key (prefix.prefix_key)
@@ -126,9 +132,9 @@ class Proxy:
         try:
             for call.attempt in range(settings.max_retries + 1):
                 try:
-                    if self.is_disaggregated:
+                    if self.is_disaggregated and path not in TOKENIZER_PATHS:
                         return await self._disaggregated(call)
-                    return await self._unified(call)
+                    return await self._direct(call)
                 except UpstreamFailure as failure:
                     last, pool_name = failure, failure.pool
                     call.tried.setdefault(failure.pool, set()).add(failure.replica)
@@ -166,8 +172,9 @@ class Proxy:
         if call.attempt and pool is self.serving_pool:  # one retry per repeated attempt
             self.metrics.retries.labels(pool.name).inc()
 
-    async def _unified(self, call: Call) -> Response:
-        pool = self.pools["unified"]
+    async def _direct(self, call: Call) -> Response:
+        """The request as it is to one replica of the serving pool (unified mode, or a tokenizer call)."""
+        pool = self.serving_pool
         replica = await self._acquire(pool, call, call.key)
         return await self._send(pool, replica, call, call.body)
 

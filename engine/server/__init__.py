@@ -2,6 +2,7 @@
 
 Layout: `protocol.py` (request/response models, OpenAI shapes and errors), `async_engine.py`
 (the engine loop in its own thread, backpressure, aborts, drain), `serving.py` (requests ->
-engine -> responses and SSE streams), `metrics.py` (vLLM's metrics), `app.py` (routes),
-`cli.py` (`tidepool serve`). The engine core never imports this package.
+engine -> responses and SSE streams), `tokenization.py` (vLLM's `/tokenize` and `/detokenize`),
+`metrics.py` (vLLM's metrics), `app.py` (routes), `cli.py` (`tidepool serve`). The engine core
+never imports this package.
 """

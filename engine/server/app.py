@@ -1,7 +1,8 @@
 """FastAPI routes of the OpenAI-compatible server, its lifecycle (load, serve, drain) and error rendering.
 
-Role: the HTTP surface. `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`
-(liveness), `/ready` (readiness), `/metrics`, `/version`, `/debug/kv`.
+Role: the HTTP surface. `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
+`/tokenize` and `/detokenize` (tokenization.py), `/health` (liveness), `/ready` (readiness),
+`/metrics`, `/version`, `/debug/kv`.
 
 Lifecycle: the app answers at once; the model loads in a background thread, and until it is
 in place `/ready` is 503 and API calls get 503 `loading`. `drain()` (called on SIGTERM) turns
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine_config import EngineConfig
 from ..serve_flags import flag_default
+from . import tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes
 from .logprobs import LogprobFormatter
@@ -167,6 +169,15 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await _require_serving(state).chat(body, raw)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> Response:
+        serving = _require_serving(state)
+        return JSONResponse(await tokenization.tokenize(serving, tokenization.parse_tokenize(body)))
+
+    @app.post("/detokenize")
+    async def detokenize(body: tokenization.DetokenizeRequest) -> Response:
+        return JSONResponse(await tokenization.detokenize(_require_serving(state), body))
 
     return app
 

@@ -24,9 +24,7 @@ _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict[int, float] | None:
     """Checks shared by completions and chat; returns `logit_bias` keyed by token id."""
-    if req.model is not None and req.model != model_name:
-        raise APIError(f"The model `{_short(req.model)}` does not exist.", status_code=404, param="model",
-                       code="model_not_found")  # fmt: skip
+    check_model(req.model, model_name)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     if req.response_format is not None:
@@ -39,6 +37,13 @@ def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict
                            "leave response_format out or use {\"type\": \"text\"}", param="response_format",
                            code="unsupported")  # fmt: skip
     return _logit_bias(req.logit_bias, vocab_size)
+
+
+def check_model(model: str | None, model_name: str) -> None:
+    """A request's `model`, when given, names the served model (every API route: OpenAI's 404 otherwise)."""
+    if model is not None and model != model_name:
+        raise APIError(f"The model `{_short(model)}` does not exist.", status_code=404, param="model",
+                       code="model_not_found")  # fmt: skip
 
 
 def check_completion(req: CompletionRequest) -> None:

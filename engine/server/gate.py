@@ -1,8 +1,8 @@
 """The door of the API: readiness, request bodies (size, read timeout) and in-flight counting.
 
-Role: an ASGI middleware in front of the OpenAI routes (`POST /v1/...`). It answers 503 while
-the model loads or the server drains, reads the whole body itself (so it can bound it) and only
-then hands the request to FastAPI with the body replayed.
+Role: an ASGI middleware in front of the API routes (`POST /v1/...` and vLLM's `POST /tokenize`
+and `/detokenize`). It answers 503 while the model loads or the server drains, reads the whole
+body itself (so it can bound it) and only then hands the request to FastAPI with the body replayed.
 
 Invariants:
 - A body with a Content-Encoding other than identity is refused with 415 (and `Accept-Encoding:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .app import ServerState
 
 
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1/
 _LINGER_S = 5.0  # at most this long discarding the rest of a refused body before answering
 _LINGER_PAUSE_S = 0.5  # a client that sends nothing for this long is not uploading any more
 
@@ -56,7 +57,7 @@ class RequestGate:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/") or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST" or not is_api_path(scope["path"]):
             await self.app(scope, receive, send)
             return
         state = self.state
@@ -138,6 +139,11 @@ class RequestGate:
                 code="body_read_timeout",
             )
         )
+
+
+def is_api_path(path: str) -> bool:
+    """Whether a POST to `path` is an API call: gated, bounded and counted in flight."""
+    return path.startswith("/v1/") or path in TOKENIZER_PATHS
 
 
 async def _discard_rest(receive: Receive) -> None:

@@ -1,10 +1,10 @@
 """Prompt text -> token ids (and back) for the HTTP server, off the event loop and bounded in cost.
 
 Role: every tokenizer call of a request (encoding prompts, rendering the chat template,
-decoding an echoed token-id prompt) runs in a small pool of tokenizer threads, so a large
-prompt never stalls `/health`, streaming or other requests. Encoding uses the `tokenizers`
-batch entry point, which releases the GIL while it works; it gives exactly what
-`Tokenizer.encode` gives (both encode each text on its own).
+decoding an echoed token-id prompt or a /detokenize request) runs in a small pool of tokenizer
+threads, so a large prompt never stalls `/health`, streaming or other requests. Encoding and
+decoding use the `tokenizers` batch entry points, which release the GIL while they work; they
+give exactly what `Tokenizer.encode` and `Tokenizer.decode` give (each text on its own).
 
 Invariant: text longer than `max_chars` is refused before any tokenizer work, with a 400 that
 says why. Every token covers at most `longest_token_chars` characters of input (a byte-level
@@ -73,11 +73,25 @@ class PromptEncoder:
         except Exception as err:  # templates raise their own errors (e.g. roles must alternate)
             raise APIError(f"the chat template rejected the messages: {err}", param="messages") from err
 
-    async def decode(self, token_ids: list[int]) -> str:
-        return await self._in_thread(self.tokenizer.decode, token_ids)
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids` (ids the caller checked are in the vocabulary), in a tokenizer thread."""
+        return await self._in_thread(self._decode, token_ids, skip_special_tokens)
+
+    async def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's own string in the vocabulary (e.g. "Ġworld"), as transformers' convert_ids_to_tokens."""
+        return await self._in_thread(self._token_strings, token_ids)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        # The batch entry point releases the GIL (the single-text one does not); same text as `Tokenizer.decode`.
+        [text] = self.tokenizer.backend.decode_batch([token_ids], skip_special_tokens=skip_special_tokens)
+        return text
+
+    def _token_strings(self, token_ids: list[int]) -> list[str]:
+        backend = self.tokenizer.backend
+        return [backend.id_to_token(i) or "" for i in token_ids]
 
     def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)

@@ -154,6 +154,14 @@ def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | Non
     return None
 
 
+def refuse_unpaired_surrogates(request: BaseModel) -> None:
+    """A request model's validator: the error naming where `request` holds an unpaired surrogate, if it does."""
+    found = find_unpaired_surrogate(request)
+    if found is not None:
+        message = "{param}: the string holds an unpaired UTF-16 surrogate at index {index}; send valid Unicode"
+        raise PydanticCustomError("invalid_unicode", message, {"param": found[0], "index": found[1]})
+
+
 def _prompt_kind(value: Any) -> str:
     """Which form of `prompt` a value is, from its first item: one union member is validated, not four
     (a union would report an error per item of each member it is not: millions for a long id list)."""
@@ -187,21 +195,21 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension; accepted, usage comes in the last chunk only
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: str
     json_schema: dict[str, Any] | None = None
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model, as vLLM allows
@@ -232,14 +240,7 @@ class SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _proper_unicode(self) -> SamplingRequest:
-        found = find_unpaired_surrogate(self)
-        if found is not None:
-            where, index = found
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "{param}: the string holds an unpaired UTF-16 surrogate at index {index}; send valid Unicode",
-                {"param": where, "index": index},
-            )
+        refuse_unpaired_surrogates(self)
         return self
 
 
@@ -261,12 +262,12 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None  # refused when set: no fill-in-the-middle yet
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

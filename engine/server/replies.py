@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable
-
-from fastapi.responses import Response
+from typing import TypeVar
 
 from ..outputs import RequestOutput
 from .async_engine import EngineDeadError, QueueFullError, RequestRejectedError, RequestStream, ShutdownError
 from .protocol import APIError
 
+T = TypeVar("T")
 
-async def answering_shutdown(handler: Awaitable[Response]) -> Response:
-    """Run a request's handler; a shutdown that ends it before it streams becomes its 503."""
+
+async def answering_shutdown(handler: Awaitable[T]) -> T:
+    """Run a request's handler (or a step of it); a shutdown that ends it before it streams becomes its 503."""
     try:
         return await handler
     except ShutdownError as err:

@@ -15,6 +15,8 @@ Invariants:
   `data: [DONE]`. Never a silent 200.
 - Streamed text is the engine's stream-safe text (held back while a stop string could still
   cut it), so the concatenated deltas equal the non-streamed text.
+- A chat becomes a prompt in `chat_prompt` alone; /tokenize's chat form (tokenization.py) calls
+  it too, so it counts exactly the tokens a chat completion feeds the engine.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from .protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -185,16 +188,12 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         logit_bias = check_common(req, self.model_name, self.info.vocab_size)
         check_chat(req)
-        if not self.info.tokenizer.has_chat_template:
-            raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        self.check_chat_template()
         check_fan_out(1, req.n, self.engine.max_queue_len)
         return await answering_shutdown(self._chat(req, raw, logit_bias))
 
     async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
-        messages = [message_dict(m) for m in req.messages]
-        text = await self.engine.guard(self.encoder.render_chat(messages, req.add_generation_prompt))
-        # The template already carries any BOS token, so encode without adding special tokens again.
-        [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens=False))
+        text, prompt = await self.chat_prompt(req.messages, req.add_generation_prompt)
         if req.max_completion_tokens is not None:
             budget = (req.max_completion_tokens, "max_completion_tokens")
         else:
@@ -222,6 +221,21 @@ class Serving:
         body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                       choices=choices, usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(body.model_dump())
+
+    def check_chat_template(self) -> None:
+        if not self.info.tokenizer.has_chat_template:
+            raise APIError("this model has no chat template; send a plain prompt (/v1/completions)", param="messages")
+
+    async def chat_prompt(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool = False
+    ) -> tuple[str, list[int]]:
+        """The text and token ids a chat becomes for the engine: the one path of /v1/chat/completions and of
+        /tokenize's chat form. The template already carries any BOS token, so the text is encoded without
+        adding special tokens again (unless /tokenize's `add_special_tokens` asks for them)."""
+        dicts = [message_dict(m) for m in messages]
+        text = await self.engine.guard(self.encoder.render_chat(dicts, add_generation_prompt))
+        [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens))
+        return text, prompt
 
     async def _stream_chat(
         self, job: _Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None
