@@ -17,39 +17,19 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import random
-import site
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from tool_env import tool_env
 
 GUIDELLM_VERSION = "0.8.1"
 
 
-def _cache() -> Path:
-    return Path(os.environ.get("TIDEPOOL_CACHE", Path.home() / ".cache" / "tidepool"))
-
-
 def guidellm_bin() -> Path:
     """The guidellm executable, installing it first if this machine has none of this version."""
-    venv = _cache() / "bench-env" / f"guidellm-{GUIDELLM_VERSION}"
-    exe = venv / "bin" / "guidellm"
-    if (venv / ".complete").is_file() and exe.is_file():
-        return exe
-    print(f"installing guidellm=={GUIDELLM_VERSION} into {venv} (once)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    child_site = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    # The parent's packages (torch, transformers, httpx, ...) count as installed for pip there.
-    Path(child_site, "zz_tidepool_parent.pth").write_text(site.getsitepackages()[0] + "\n")
-    subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", f"guidellm=={GUIDELLM_VERSION}"], check=True,
-                   cwd="/tmp")  # fmt: skip
-    (venv / ".complete").touch()
-    return exe
+    return tool_env("guidellm", GUIDELLM_VERSION, f"guidellm=={GUIDELLM_VERSION}") / "bin" / "guidellm"
 
 
 # Prompt text that ships with Python: the docstrings of these standard-library modules and their members.

@@ -72,6 +72,7 @@ class StepIsolation:
                 merged.logprobs.update(single.logprobs)
                 merged.spec_logits.update(single.spec_logits)
                 merged.spec_token_ids.update(single.spec_token_ids)
+                merged.prompt_logprobs.update(single.prompt_logprobs)
         if len(errors) < len(scheduled):  # some sequences ran: the fault is the failed ones' own
             self.num_failed_steps = 0
             return merged, errors

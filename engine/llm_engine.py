@@ -8,6 +8,11 @@ no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a lo
 the P/D KV hand-off) are `StepHook`s in `self.hooks`, called at the points step_hooks.py
 documents; they contribute proposals and admitted requests as return values and never build
 outputs: every `RequestOutput` is built here, the final one by `_finish_output` alone.
+Prompt logprobs are not a hook: they need the hidden rows only the runner holds, so the runner
+returns them in `ModelRunnerOutput.prompt_logprobs` (prompt_logprobs.py) and `step()` adds them to
+the request's `TrackedRequest`. A `max_tokens=0` request finishes in the step that completes its
+prompt, with no token; its final output is built there too. Neither works with a P/D KV hand-off
+(refused in `add_request`: the prompt would be computed on another engine).
 Invariants: a request that fails validation raises `ValueError` before anything is queued,
 so it never affects the requests already running. A request whose own processing raises
 inside a step (the sampler on its parameters, its detokenization) is finished alone with
@@ -94,6 +99,8 @@ class LLMEngine:
         if kv_transfer is not None:
             if self.handoff is None:
                 raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
+            if params.prompt_logprobs is not None or params.max_tokens == 0:
+                raise ValueError("prompt_logprobs and max_tokens=0 are not supported with a P/D KV hand-off")
             self.handoff.check(kv_transfer, token_ids, params)
         request = Request(
             request_id=request_id,
@@ -106,6 +113,8 @@ class LLMEngine:
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
         if kv_transfer is not None and self.handoff.add(request, kv_transfer):  # waits for KV room, not scheduled
             self._tracked[request_id] = tracked
             self._admit(self.handoff.admit())
@@ -206,11 +215,18 @@ class LLMEngine:
         for seq in sched_out.scheduled:
             request = seq.request
             tokens = runner_out.new_token_ids(request.request_id)
-            if not tokens or request.request_id not in self._tracked:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None:
                 continue
             try:
+                if request.request_id in runner_out.prompt_logprobs:
+                    tracked.add_prompt_logprobs(*runner_out.prompt_logprobs[request.request_id])
+                if not tokens:
+                    if request.request_id in finished:  # max_tokens=0: finished by its prefill, no token
+                        outputs.append(self._finish_output(request))
+                    continue
                 output = self._emit(request, tokens, runner_out, request.request_id in finished, now)
-            except Exception as err:  # this request's own text or logprobs: fail it alone
+            except Exception as err:  # this request's own text or (prompt) logprobs: fail it alone
                 emit_errors[request.request_id] = err
                 continue
             if output is None:

@@ -3,7 +3,8 @@
 It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
 head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
 slot mapping, block tables and masks once per step, runs the model, computes logits only
-for the sequences that sample this step, and hands those to the sampler. On CPU, when the compiled
+for the sequences that sample this step, and hands those to the sampler (plus, for requests asking
+for prompt logprobs, the rows of their prompt positions: prompt_logprobs.py). On CPU, when the compiled
 GEMV is unavailable (`layers.linear`), it first stores the model's wide projections [in, out]
 (`layers.weight_layout`), once, at construction; quantized weights are laid out for the compiled CPU
 ops where those are available (`quant.runtime.prepare_for_cpu`). On CPU the weights and the KV cache then live in
@@ -36,6 +37,8 @@ from .layers.attention_metadata import AttentionMetadata, PrefillChunk
 from .layers.linear import uses_compiled_gemv
 from .layers.weight_layout import apply_weight_layout
 from .models.llama import LlamaForCausalLM
+from .prompt_logprobs import PromptRows, rows_for
+from .prompt_logprobs import compute as compute_prompt_logprobs
 from .quant.runtime import prepare_for_cpu
 from .request import Request
 from .sampler import Sampler
@@ -71,6 +74,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.computes_prompt_logprobs = True  # False for a speculative draft's runner: nobody reads its prompt's
         # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
         self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
         if device.type == "cpu" and isinstance(model, torch.nn.Module):
@@ -113,12 +117,16 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         prefill_tables: list[list[int]] = []
+        prompt_rows: list[PromptRows] = []
         bs = self.block_size
         window = self.config.sliding_window
         for seq in sched_out.scheduled:
             start, num_new = seq.num_computed_tokens, seq.num_new_tokens
             context_len = start + num_new
             query_start = len(input_ids)
+            rows = rows_for(seq, query_start) if self.computes_prompt_logprobs else None
+            if rows is not None:
+                prompt_rows.append(rows)
             # Speculative proposals follow the request's known tokens (they are not part of it yet).
             num_known = context_len - len(seq.spec_token_ids)
             input_ids.extend(seq.request.token_ids_slice(start, num_known))
@@ -177,6 +185,8 @@ class ModelRunner:
             )
         hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
         out = ModelRunnerOutput()
+        if prompt_rows:
+            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_rows)
         if spec_rows:
             rows = torch.cat([torch.arange(first, first + n, device=self.device) for _, first, n in spec_rows])
             spec_logits = self.model.compute_logits(hidden[rows])

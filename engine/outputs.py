@@ -4,6 +4,12 @@
 stopped or failed) and builds each `RequestOutput` from it. A request whose own processing
 failed inside a step (a per-request error the engine isolated, so the other requests carried
 on) finishes with `finish_reason="abort"` and `error` set.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) are vLLM-shaped: `RequestOutput.prompt_logprobs`
+holds one entry per prompt token, the first None (nothing predicts it), each other a dict token id
+-> `Logprob` with the prompt token and its top alternatives. `TrackedRequest.add_prompt_logprobs`
+accumulates them over the prefill chunks by position, so a chunk computed twice (a preempted request
+recomputing its prompt) adds nothing twice; outputs carry them once the prompt is complete.
 """
 
 from __future__ import annotations
@@ -16,6 +22,17 @@ from .stats import RequestMetrics
 if TYPE_CHECKING:
     from .detokenizer import IncrementalDetokenizer
     from .request import Request
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One token's log-probability and its 1-based rank in the distribution (vLLM's `Logprob`)."""
+
+    logprob: float
+    rank: int
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -44,6 +61,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # monotonic timestamps and counts, for the server's metrics
     error: str | None = None  # set when the engine finished this request because processing it failed
+    # One entry per prompt token (the first None) once the prompt is prefilled, when prompt_logprobs was asked for.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +76,17 @@ class TrackedRequest:
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
     error: str | None = None  # why the engine failed this request (it then finishes as aborted)
+    prompt_logprobs: PromptLogprobs | None = None  # [None] when asked for, grown by position over prefill chunks
+
+    def add_prompt_logprobs(self, first_position: int, entries: list[dict[int, Logprob]]) -> None:
+        """Entries for prompt positions first_position, first_position + 1, ...; positions already held are skipped."""
+        held = self.prompt_logprobs
+        if held is None:
+            return
+        skip = len(held) - first_position
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs from position {first_position} but only {len(held)} held: a gap")
+        held.extend(entries[skip:])
 
     def output(self, finished: bool = False) -> RequestOutput:
         """The request's output now: while running, only the text no stop string can still cut."""
@@ -94,4 +124,11 @@ class TrackedRequest:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             error=self.error,
+            prompt_logprobs=self._complete_prompt_logprobs(),
         )
+
+    def _complete_prompt_logprobs(self) -> PromptLogprobs | None:
+        held = self.prompt_logprobs
+        if held is None or len(held) < self.request.num_prompt_tokens:
+            return None
+        return list(held)

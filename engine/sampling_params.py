@@ -6,6 +6,8 @@ field and the accepted range, so nothing invalid ever reaches the scheduler or t
 The ranges are the engine's documented limits (the HTTP server checks the same constants):
 - `seed` is a signed 64-bit integer (what a torch generator takes); the i-th of n completions
   uses seed + i, wrapped around inside that range.
+- `max_tokens=0` computes the prompt and nothing else: the request finishes with "length" once
+  prefilled, without a generated token (scoring, e.g. `prompt_logprobs`).
 - integer counts and token ids (`top_k`, `max_tokens`, `min_tokens`, `stop_token_ids`,
   `logit_bias` keys) are at most `MAX_INT32`: every tensor the sampler builds from them fits.
 - a temperature below `GREEDY_TEMPERATURE` samples greedily, as vLLM does: dividing logits by
@@ -41,7 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI semantics, over generated tokens, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI semantics, over generated tokens, in [-2, 2]
     repetition_penalty: float = 1.0  # HF/CTRL semantics, over prompt and generated tokens, in [0.01, 100]
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0: prefill only (scoring), finishes with "length"
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in the ids)
@@ -50,6 +52,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs returned per generated token
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Logprobs of the prompt's own tokens (positions >= 1) under the raw model distribution, with this many
+    # top alternatives (0: the prompt token's only); None: not computed (prompt_logprobs.py).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,10 +77,10 @@ class SamplingParams:
         _check(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high, "repetition_penalty",
                self.repetition_penalty, f"in [{low}, {high:g}]")  # fmt: skip
         _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32),
+            self.max_tokens is None or (_is_int(self.max_tokens) and 0 <= self.max_tokens <= MAX_INT32),
             "max_tokens",
             self.max_tokens,
-            f"an integer in [1, {MAX_INT32}] or None",
+            f"an integer in [0, {MAX_INT32}] or None",
         )
         _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= MAX_INT32, "min_tokens", self.min_tokens,
                f"in [0, {MAX_INT32}]")  # fmt: skip
@@ -92,6 +97,12 @@ class SamplingParams:
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             self.logprobs,
+            "an integer in [0, 20] or None",
+        )
+        _check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20),
+            "prompt_logprobs",
+            self.prompt_logprobs,
             "an integer in [0, 20] or None",
         )
         if self.logit_bias is not None:

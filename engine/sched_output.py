@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .request import Request
+
+if TYPE_CHECKING:
+    from .outputs import Logprob
 
 
 @dataclass(slots=True)
@@ -45,6 +48,9 @@ class ModelRunnerOutput:
     spec_logits: dict[str, Any] = field(default_factory=dict)
     # request_id -> tokens the rejection sampler emitted: accepted proposals, then one resampled/bonus token
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> (first prompt position, one {token id: Logprob} per position from there), for the prompt
+    # positions this step computed of requests with prompt_logprobs (prompt_logprobs.py)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
 
     def new_token_ids(self, request_id: str) -> list[int]:
         """Every token this step produced for the request, in order (empty when it produced none)."""

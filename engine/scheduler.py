@@ -10,6 +10,10 @@ the one whose recompute wastes the least work (fewest computed tokens), preferri
 never preempted before, so no request is preempted again while others qualify. A preempted
 request frees its blocks (its prefix stays in the prefix cache) and goes back to the waiting
 queue in its arrival position. Pure Python, no torch.
+
+A request asking for prompt logprobs takes no prefix-cache hits for its prompt (prompt_logprobs.py);
+one with `max_tokens=0` never samples (`needs_sample` stays False) and finishes with "length" in
+the update that completes its prompt.
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted_this_step and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            if request.num_computed_tokens == 0 and not _needs_prompt_states(request):
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if num_new > budget and not self.enable_chunked_prefill:
@@ -187,6 +191,8 @@ class Scheduler:
             num_accepted = max(len(tokens) - 1, 0)
             request.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens - num_spec + num_accepted
             status = None
+            if request.sampling_params.max_tokens == 0 and request.num_computed_tokens >= request.num_prompt_tokens:
+                status = RequestStatus.FINISHED_LENGTH  # prefill only: done once the prompt is computed
             for index, token in enumerate(tokens):  # stop conditions apply to every token, in order
                 request.output_token_ids.append(token)
                 status = self._check_stop(request, token)
@@ -203,7 +209,7 @@ class Scheduler:
 
     # ---- internals ----------------------------------------------------------------------------
     def _scheduled(self, request: Request, start: int, num_new: int, spec: list[int] | None = None) -> ScheduledSeq:
-        needs_sample = start + num_new == request.num_tokens
+        needs_sample = start + num_new == request.num_tokens and request.sampling_params.max_tokens != 0
         spec = spec or []
         block_ids = self.kv_cache.block_ids(request.request_id)
         return ScheduledSeq(request, start, num_new + len(spec), block_ids, needs_sample, list(spec))
@@ -214,6 +220,8 @@ class Scheduler:
     ) -> list[int]:
         """The request's proposals that fit this step: only when it reaches its last known token."""
         if not spec_token_ids or request.num_computed_tokens + num_new != request.num_tokens:
+            return []
+        if request.sampling_params.max_tokens == 0:
             return []
         return spec_token_ids.get(request.request_id, [])[: budget - num_new]
 
@@ -264,3 +272,8 @@ class Scheduler:
     def _insert_running(self, request: Request) -> None:
         keys = [self._order[r.request_id] for r in self.running]
         self.running.insert(bisect.bisect(keys, self._order[request.request_id]), request)
+
+
+def _needs_prompt_states(request: Request) -> bool:
+    """Prompt logprobs need every prompt position's hidden state: no prefix-cache hits until a token is out."""
+    return request.sampling_params.prompt_logprobs is not None and not request.output_token_ids

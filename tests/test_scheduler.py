@@ -354,3 +354,26 @@ def test_max_model_len_finishes_with_length() -> None:
     request = _run_one([], max_model_len=8, num_prompt=6, max_tokens=None)
     assert request.num_tokens == 8
     assert request.status == RequestStatus.FINISHED_LENGTH
+
+
+# ---- scoring: max_tokens=0 and prompt logprobs ------------------------------------------------------
+def test_max_tokens_zero_prefills_in_chunks_and_finishes_without_a_token() -> None:
+    harness = Harness(num_blocks=16, budget=4)
+    request = harness.add("score", 10, max_tokens=0)
+    outs = harness.run_to_completion(max_steps=10)
+    assert [_chunks(out)["score"] for out in outs] == [(0, 4), (4, 4), (8, 2)]
+    assert not any(seq.needs_sample for out in outs for seq in out.scheduled)
+    assert request.status == RequestStatus.FINISHED_LENGTH and request.output_token_ids == []
+    assert harness.kv.num_free_blocks == 16
+
+
+def test_prompt_logprobs_take_no_prefix_cache_hits_until_a_token_is_out() -> None:
+    harness = Harness(num_blocks=32, caching=True)
+    harness.add("first", 12, max_tokens=1)
+    harness.run_to_completion(max_steps=5)
+    scored = harness.add("scored", 12, max_tokens=1, prompt_logprobs=1)
+    out, _ = harness.step()
+    assert _chunks(out)["scored"] == (0, 12) and scored.num_cached_tokens == 0
+    plain = harness.add("plain", 12, max_tokens=1)
+    harness.step()
+    assert plain.num_cached_tokens == 8  # the cache itself still serves (two full blocks of 4)

@@ -79,7 +79,9 @@ def test_empty_string_prompt_raises(llm: LLM) -> None:
         ({"top_k": 2.5}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is valid: prefill only (scoring)
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"presence_penalty": 2.5}, "presence_penalty"),

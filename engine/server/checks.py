@@ -3,7 +3,8 @@
 Role: everything `serving.py` verifies before it queues anything, each failure an `APIError`
 naming the parameter: the model name, `stream_options` without `stream`, `logit_bias` keys
 (token ids in the vocabulary), the fan-out of `n` x prompts against the queue bound, features
-that are not implemented (`response_format` other than text, tool calling, `suffix`), and the
+that are not implemented (`response_format` other than text, tool calling, `suffix`, prompt logprobs
+in a stream: `prompt_logprobs`, or echo with logprobs), `max_tokens=0` without echo, and the
 translation of a request into `SamplingParams` (whose own checks are the engine's limits).
 
 Invariant: an unsupported feature is refused with a 400 that says so, never silently ignored.
@@ -47,14 +48,26 @@ def check_model(model: str | None, model_name: str) -> None:
 
 
 def check_completion(req: CompletionRequest) -> None:
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens must be at least 1 unless echo is true (max_tokens=0 with echo scores the "
+                       "prompt)", param="max_tokens")  # fmt: skip
+    if req.stream and req.echo and req.logprobs is not None:
+        raise APIError("echo together with logprobs is not supported when streaming; send stream=false",
+                       param="echo")  # fmt: skip
+    check_prompt_logprobs(req)
     if req.suffix:
         raise APIError("suffix is not supported by this server (no fill-in-the-middle)", param="suffix",
                        code="unsupported")  # fmt: skip
 
 
+def check_prompt_logprobs(req: SamplingRequest) -> None:
+    """vLLM's rule: prompt logprobs come with the whole response, never in a stream."""
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError("prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+
+
 def check_chat(req: ChatCompletionRequest) -> None:
+    check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
     refused = {
@@ -124,7 +137,11 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
 
 
 def sampling_params(
-    req: SamplingRequest, max_tokens: int, logprobs: int | None, logit_bias: dict[int, float] | None
+    req: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    logit_bias: dict[int, float] | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -145,6 +162,7 @@ def sampling_params(
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as err:
         match = _PARAM_IN_MESSAGE.search(str(err))

@@ -47,6 +47,11 @@ async def attach_kv_transfer(info: EngineInfo, req: SamplingRequest, children: l
     child = children[0]
     if child.params.logprobs is not None:
         raise APIError("logprobs are not supported for disaggregated requests yet", param="logprobs")
+    if child.params.prompt_logprobs is not None:  # the prompt is computed on another engine than the one answering
+        raise APIError("prompt logprobs (prompt_logprobs, or echo with logprobs) are not supported for "
+                       "disaggregated requests", param="prompt_logprobs")  # fmt: skip
+    if child.params.max_tokens == 0:
+        raise APIError("max_tokens=0 is not supported for disaggregated requests", param="max_tokens")
     if isinstance(params, ProducerParams):
         if req.stream:
             raise APIError("a prefill (producer) request must not stream", param="stream")

@@ -68,6 +68,24 @@ class LogprobFormatter:
                 offset += len(chars.decode(self.token_bytes(token_id)))
         return result
 
+    def prompt(
+        self,
+        prompt_ids: list[int],
+        entries: list[dict[int, float] | None],
+        num_top: int,
+        as_token_ids: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens in the completions shape, from `{token id: logprob}` per position (None
+        first: nothing predicts the first token, whose logprob and top_logprobs are then null)."""
+        comp = CompletionOutput(index=0, text="", token_ids=prompt_ids, logprobs=[e or {} for e in entries])
+        result = self.completion(comp, 0, len(prompt_ids), 0, num_top, as_token_ids, skip_special_tokens)
+        for position, entry in enumerate(entries):
+            if entry is None:
+                result.token_logprobs[position] = None
+                result.top_logprobs[position] = None
+        return result
+
     def chat(
         self, comp: CompletionOutput, start: int, stop: int, num_top: int, as_token_ids: bool = False
     ) -> ChatLogprobs:

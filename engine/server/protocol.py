@@ -233,6 +233,7 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N"
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[i].prompt_logprobs
     response_format: ResponseFormat | None = None  # only {"type": "text"} until guided decoding exists
     user: str | None = None
     # P/D disaggregation hand-off set by Tidepool's router (see engine/server/disagg.py); clients leave it out.
@@ -256,7 +257,7 @@ Prompt = Annotated[
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT32)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT32)  # 0 only with echo (checks.py): score the prompt
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None  # refused when set: no fill-in-the-middle yet

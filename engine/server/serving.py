@@ -50,6 +50,7 @@ from .checks import (
 )
 from .disagg import attach_kv_transfer, wait_sent
 from .logprobs import LogprobFormatter
+from .prompt_logprobs import attach, completion_logprobs, engine_prompt_logprobs, vllm_prompt_logprobs
 from .prompts import PromptEncoder
 from .protocol import (
     APIError,
@@ -132,11 +133,7 @@ class Serving:
         for rid, index in job.index_of.items():
             comp = job.finals[rid].outputs[0]
             prefix = await self._prompt_text(job, index // req.n) if req.echo else ""
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = self.logprobs.completion(comp, 0, len(comp.token_ids), 0, req.logprobs,
-                                                    req.return_tokens_as_token_ids,
-                                                    req.skip_special_tokens)  # fmt: skip
+            logprobs = completion_logprobs(self.logprobs, req, job.finals[rid], prefix)
             choices.append(
                 CompletionChoice(index=index, text=prefix + comp.text, logprobs=logprobs,
                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
@@ -144,7 +141,7 @@ class Serving:
         choices.sort(key=lambda c: c.index)
         body = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name, choices=choices,
                                   usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
-        return JSONResponse(body.model_dump())
+        return JSONResponse(self._with_prompt_logprobs(body.model_dump(), job, req))
 
     async def _completion_prompts(self, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
         prompt = req.prompt
@@ -220,7 +217,7 @@ class Serving:
         choices.sort(key=lambda c: c.index)
         body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
                                       choices=choices, usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
-        return JSONResponse(body.model_dump())
+        return JSONResponse(self._with_prompt_logprobs(body.model_dump(), job, req))
 
     def check_chat_template(self) -> None:
         if not self.info.tokenizer.has_chat_template:
@@ -314,11 +311,11 @@ class Serving:
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise APIError(f"{prompt_param} is empty: give at least one token", param=prompt_param)
-            wanted = len(prompt) + (max_tokens or 1)
+            wanted = len(prompt) + (1 if max_tokens is None else max_tokens)
             if wanted > limit:
                 raise APIError(
                     f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-                    f"({len(prompt)} in the {prompt_param}, {max_tokens or 1} in the completion). "
+                    f"({len(prompt)} in the {prompt_param}, {wanted - len(prompt)} in the completion). "
                     f"Please reduce the length of the {prompt_param} or completion.",
                     param=prompt_param,
                     code="context_length_exceeded",
@@ -328,7 +325,8 @@ class Serving:
             except ValueError as err:
                 raise APIError(str(err), param=prompt_param) from err
             check_min_tokens(req.min_tokens, max_tokens, max_tokens_from, len(prompt), prompt_param, limit)
-            params = sampling_params(req, max_tokens or limit - len(prompt), logprobs, logit_bias)
+            budget_left = limit - len(prompt) if max_tokens is None else max_tokens
+            params = sampling_params(req, budget_left, logprobs, logit_bias, engine_prompt_logprobs(req))
             for j in range(req.n):
                 child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
                 job.children.append(child)
@@ -387,6 +385,14 @@ class Serving:
     def _abort_unfinished(self, stream: RequestStream) -> None:
         if not stream.finished:
             self.engine.abort(set(stream.unfinished_ids))
+
+    def _with_prompt_logprobs(self, body: dict, job: _Job, req: SamplingRequest) -> dict:
+        """vLLM's `prompt_logprobs` per choice, when the request asked for them (prompt_logprobs.py)."""
+        if req.prompt_logprobs is None:
+            return body
+        per_index = {i: vllm_prompt_logprobs(self.logprobs, job.finals[rid], req.prompt_logprobs)
+                     for rid, i in job.index_of.items()}  # fmt: skip
+        return attach(body, per_index)
 
     async def _prompt_text(self, job: _Job, prompt_index: int) -> str:
         text = job.prompt_texts[prompt_index]

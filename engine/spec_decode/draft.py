@@ -127,6 +127,7 @@ class DraftProposer:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.sampler = _DraftSampler(target_sampler)
         self.runner = ModelRunner(model, model_config, block_size, num_blocks, self.sampler, device)
+        self.runner.computes_prompt_logprobs = False  # the target's runner computes them
         self.runner.warm_up("draft model")  # its kernels (Triton's JIT, its one-call step) before the first request
         self._states: dict[str, _DraftState] = {}
 

@@ -3,7 +3,7 @@
 One engine per layout (2-way TP, 2-stage PP over two nodes, TP x PP = 2 x 2), each reused for several checks
 because starting ranks (a torch import per process) dominates the run time on a small machine:
 identical greedy tokens over a continuous batch of mixed lengths (a small token budget, so
-chunked prefills and decodes share steps), logits close to the single process's, each rank's
+chunked prefills and decodes share steps), logits and prompt logprobs close to the single process's, each rank's
 KV cache holding only its heads / layers. The 2-way TP engine then loses a worker to SIGKILL
 and must raise `WorkerFailedError` (not hang) and leave no process behind. A multi-node group
 runs as two "nodes" on this machine (the test process is node 0, `tidepool serve --node-rank 1`
@@ -91,6 +91,13 @@ def _check_same_as_single(llm: LLM, reference: dict[str, Any]) -> None:
     assert _generate(llm) == reference["tokens"]
     logits = llm.engine.runner.prompt_logits(_prompts()[1])  # a scratch-KV pass through every rank
     torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4)
+    # Prompt logprobs (chunked: 61 tokens over a 24-token budget) from the rows every rank computed.
+    prompt = _prompts()[1]
+    [scored] = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2), use_tqdm=False)
+    assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+    got = torch.tensor([scored.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))])
+    expected = torch.log_softmax(reference["logits"], dim=-1)[torch.arange(len(prompt) - 1), prompt[1:]]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     # Prefix caching: the same prompts again hit the cache on every rank's (sharded) KV.
     assert _generate(llm) == reference["tokens"]
 

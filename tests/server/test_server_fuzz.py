@@ -33,7 +33,7 @@ FIELDS = ["model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "prese
           "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "return_tokens_as_token_ids",
           "response_format", "user", "max_tokens", "kv_transfer_params", "echo", "logprobs", "suffix",
           "max_completion_tokens", "top_logprobs", "add_generation_prompt", "tools", "tool_choice", "best_of",
-          "frobnicate"]  # fmt: skip
+          "prompt_logprobs", "frobnicate"]  # fmt: skip
 
 scalars = st.one_of(st.sampled_from(INTS), st.sampled_from(FLOATS), st.sampled_from(STRINGS), st.booleans(),
                     st.none())  # fmt: skip
