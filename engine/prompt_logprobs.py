@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .outputs import Logprob
+from .sampler import token_logprobs
 from .sched_output import ScheduledSeq
 
 _MAX_ROWS = 1024  # logits rows per slice: 1024 x a 128k vocabulary in float32 is 512 MiB
@@ -78,19 +79,11 @@ def _entries(
     model: torch.nn.Module, hidden: torch.Tensor, targets: list[int], num_top: int
 ) -> list[dict[int, Logprob]]:
     logprobs = torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
-    target_ids = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
-    chosen = logprobs.gather(1, target_ids)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    # One transfer per list (a per-row .tolist() would wait on the device every time).
-    chosen_list, ranks_list = chosen.squeeze(1).tolist(), ranks.tolist()
-    top_ids: list[list[int]] = [[] for _ in targets]
-    top_values: list[list[float]] = [[] for _ in targets]
-    if num_top > 0:
-        values, ids = logprobs.topk(num_top, dim=-1)
-        top_ids, top_values = ids.tolist(), values.tolist()
+    chosen, top_ids, top_values, ranks = token_logprobs(logprobs, targets, num_top, with_ranks=True)
+    assert ranks is not None  # asked for
     entries = []
     for row, target in enumerate(targets):
-        entry = {target: Logprob(chosen_list[row], ranks_list[row])}
+        entry = {target: Logprob(chosen[row], ranks[row])}
         for rank, (token_id, value) in enumerate(zip(top_ids[row], top_values[row], strict=True), start=1):
             entry.setdefault(token_id, Logprob(value, rank))
         entries.append(entry)

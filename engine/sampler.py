@@ -15,6 +15,7 @@ plain decoding does (spec_decode/speculator.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -168,11 +169,9 @@ class Sampler:
             return {}
         logprobs = torch.log_softmax(raw[rows], dim=-1)
         max_n = max(requests[i].sampling_params.logprobs or 0 for i in rows)
-        top_values, top_ids = logprobs.topk(max(max_n, 1), dim=-1)
-        chosen_ids = torch.tensor([tokens[row] for row in rows], device=logprobs.device).unsqueeze(1)
-        # One transfer each for all rows (a per-row .tolist() would wait on the device every time).
-        chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-        top_ids_list, top_values_list = top_ids.tolist(), top_values.tolist()
+        chosen, top_ids_list, top_values_list, _ = token_logprobs(
+            logprobs, [tokens[row] for row in rows], max(max_n, 1)
+        )
         result: dict[str, LogprobEntry] = {}
         for k, row in enumerate(rows):
             request = requests[row]
@@ -180,6 +179,26 @@ class Sampler:
             top = list(zip(top_ids_list[k][:n], top_values_list[k][:n], strict=True))
             result[request.request_id] = (chosen[k], top)
         return result
+
+
+class TokenLogprobs(NamedTuple):
+    chosen: list[float]  # per row: its token's logprob
+    top_ids: list[list[int]]  # per row: the `num_top` most likely tokens (empty when 0) ...
+    top_values: list[list[float]]  # ... and their logprobs
+    ranks: list[int] | None  # per row: its token's 1-based rank (only when asked for)
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, token_ids: list[int], num_top: int, with_ranks: bool = False
+) -> TokenLogprobs:
+    """Per row of `logprobs` [rows, vocab]: its token's logprob, its `num_top` most likely tokens and,
+    if asked, its token's rank. One device transfer per list, not one per row."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, dtype=torch.long, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist() if with_ranks else None
+    if num_top <= 0:
+        return TokenLogprobs(chosen.squeeze(1).tolist(), [[] for _ in token_ids], [[] for _ in token_ids], ranks)
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return TokenLogprobs(chosen.squeeze(1).tolist(), top_ids.tolist(), top_values.tolist(), ranks)
 
 
 def _draw_exponential(row: torch.Tensor, generator: torch.Generator) -> None:
