@@ -120,25 +120,11 @@ class TidepoolController:
     def decide(self, now: float, views: Mapping[str, PoolView]) -> dict[str, int]:
         pre, dec = views["prefill"], views["decode"]
         snaps = {
-            "prefill": PoolSnapshot(
-                ttft_p95_s=pre.latency_p95(),
-                num_requests=pre.first_tokens,
-                prompt_tokens_per_s=pre.prompt_tokens / pre.window_s,
-                kv_cache_usage=pre.kv_usage,
-                num_waiting=pre.waiting if pre.ready else None,
-                num_running=pre.running if pre.ready else None,
-                num_pods_scraped=pre.ready,
-                window_s=pre.window_s,
+            "prefill": _snapshot(
+                pre, ttft_p95_s=pre.latency_p95(), prompt_tokens_per_s=pre.prompt_tokens / pre.window_s
             ),
-            "decode": PoolSnapshot(
-                itl_p95_s=dec.latency_p95(),
-                num_requests=dec.first_tokens,
-                generation_tokens_per_s=dec.generation_tokens / dec.window_s,
-                kv_cache_usage=dec.kv_usage,
-                num_waiting=dec.waiting if dec.ready else None,
-                num_running=dec.running if dec.ready else None,
-                num_pods_scraped=dec.ready,
-                window_s=dec.window_s,
+            "decode": _snapshot(
+                dec, itl_p95_s=dec.latency_p95(), generation_tokens_per_s=dec.generation_tokens / dec.window_s
             ),
         }
         states = {
@@ -148,6 +134,21 @@ class TidepoolController:
         decision = decide(self.config, snaps, states, self.history, now)
         self.history = decision.history
         return dict(decision.replicas)
+
+
+def _snapshot(view: PoolView, **latency_and_tokens: float | None) -> PoolSnapshot:
+    """What the operator's collector gives the policy for one pool: the gauges of its ready pods (none
+    without one), the requests that got a first token in the window, plus the pool's own latency and
+    token rate."""
+    return PoolSnapshot(
+        num_requests=view.first_tokens,
+        kv_cache_usage=view.kv_usage,
+        num_waiting=view.waiting if view.ready else None,
+        num_running=view.running if view.ready else None,
+        num_pods_scraped=view.ready,
+        window_s=view.window_s,
+        **latency_and_tokens,
+    )
 
 
 def _metric(family: str, view: PoolView) -> float:

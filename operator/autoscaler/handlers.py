@@ -289,15 +289,14 @@ class Autoscaler:
         history = self.histories.get(key) or restore_history(previous, now)
         await self.collector.collect(namespace, name, pools, now)
         snapshots = self.collector.snapshots(namespace, name, pools)
-        decision = decide(config_from_spec(spec), snapshots, self._current(key, body, pools), history, now)
+        states = self._current(key, body, pools)
+        decision = decide(config_from_spec(spec), snapshots, states, history, now)
         self.histories[key] = decision.history
         mode = "advisory" if decision.is_advisory else "active"
-        recorded = (body.get("status") or {}).get("pools") or {}
         for pool, d in decision.pools.items():
             self._observe(key, DESIRED, (namespace, name, pool)).set(d.desired)
             self._observe(key, CURRENT, (namespace, name, pool)).set(d.current)
-            ready = int((recorded.get(pool) or {}).get("readyReplicas", 0))
-            self._observe(key, READY, (namespace, name, pool)).set(ready)
+            self._observe(key, READY, (namespace, name, pool)).set(states[pool].num_ready or 0)
         action = "scale" if decision.is_scaling else "hold"
         self._observe(key, DECISIONS, (namespace, name, mode, action)).inc()
         if decision.is_scaling:
