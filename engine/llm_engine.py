@@ -39,6 +39,7 @@ from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .spec_decode.emit import feed_tokens
 from .stats import EngineStats
 from .step_hooks import StepHook
+from .structured_outputs import Grammar, build_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class LLMEngine:
         self.speculator, self.handoff = parts.speculator, parts.handoff
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
+        # Structured outputs: the server compiles through it off this thread; `add_request` takes the result.
+        self.grammars = build_compiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.isolation = StepIsolation()
         self._ready: list[RequestOutput] = []  # built between steps (first tokens of admitted requests)
         self.last_stats = self._stats_with()
@@ -78,8 +81,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         kv_transfer: ProducerParams | KVPayload | None = None,
+        grammar: Grammar | None = None,
     ) -> Request:
         """Validate and queue one sequence (n must be 1 here; `LLM` fans out n > 1).
+
+        A request with `params.structured_outputs` is constrained by `grammar`, its compiled form (the
+        server compiles it off this thread); without one it is compiled here (cached), and an invalid
+        constraint raises `GrammarError` (a ValueError) before anything is queued.
 
         `kv_transfer` (P/D disaggregation): `ProducerParams` on a prefill engine sends the prompt's
         KV and first token on once prefilled; a received `KVPayload` on a decode engine admits the
@@ -102,6 +110,8 @@ class LLMEngine:
             if params.prompt_logprobs is not None or params.max_tokens == 0:
                 raise ValueError("prompt_logprobs and max_tokens=0 are not supported with a P/D KV hand-off")
             self.handoff.check(kv_transfer, token_ids, params)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -113,6 +123,8 @@ class LLMEngine:
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
+        if params.structured_outputs is not None and grammar is not None:
+            self.sampler.constrain(request, grammar, self.grammars.backend)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
         if kv_transfer is not None and self.handoff.add(request, kv_transfer):  # waits for KV room, not scheduled
@@ -325,6 +337,7 @@ class LLMEngine:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
         for hook in self.hooks:
             hook.close()
+        self.grammars.close()
         if self.executor is not None:
             self.executor.shutdown()
 

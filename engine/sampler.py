@@ -2,7 +2,8 @@
 
 Order, as in vLLM: logprobs come from the raw model distribution; then `logit_bias` (added to
 the logits, as OpenAI defines it), penalties (repetition over prompt+output, presence/frequency
-over output), the `min_tokens` mask on EOS/stop tokens, then greedy argmax (also for a
+over output), the `min_tokens` mask on EOS/stop tokens, the structured-output mask (one batched
+operation for every constrained row, structured_outputs/matchers.py), then greedy argmax (also for a
 temperature below `GREEDY_TEMPERATURE`) or temperature → top-k → top-p → min-p → sample.
 Sampling is an exponential race (argmax of p / Exp(1) noise) whose noise for a seeded request
 comes from that request's own generator, one Exp(1) row per token, so its tokens do not depend on
@@ -20,6 +21,8 @@ from typing import NamedTuple
 import torch
 
 from .request import Request
+from .structured_outputs import Grammar, GrammarBackend
+from .structured_outputs.matchers import GrammarMasks
 
 LogprobEntry = tuple[float, list[tuple[int, float]]]
 
@@ -30,10 +33,16 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._biases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (token ids, values)
+        self.grammar_masks = GrammarMasks()  # constrained requests' grammar state
+
+    def constrain(self, request: Request, grammar: Grammar, backend: GrammarBackend) -> None:
+        """Constrain the request's tokens to `grammar` from its next sampled token on, until `release`."""
+        self.grammar_masks.add(request, grammar, backend)
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._biases.pop(request_id, None)
+        self.grammar_masks.release(request_id)
 
     def generator_for(self, request: Request) -> torch.Generator:
         """The request's own seeded generator (kept across steps), or the shared one when it has no seed."""
@@ -73,6 +82,7 @@ class Sampler:
         logits = logits.clone()
         for row, request in enumerate(requests):
             self._apply_penalties_and_masks(logits, row, request)
+        self.grammar_masks.apply(logits, requests)
         probs = torch.zeros_like(logits)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
@@ -95,6 +105,7 @@ class Sampler:
         logits = logits.clone()
         for row, request in enumerate(requests):
             self._apply_penalties_and_masks(logits, row, request)
+        self.grammar_masks.apply(logits, requests)
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
@@ -127,7 +138,7 @@ class Sampler:
             ids = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
             logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens < params.min_tokens and params.structured_outputs is None:
             banned = set(params.stop_token_ids)
             if not params.ignore_eos:
                 banned |= request.eos_token_ids
@@ -217,6 +228,7 @@ def _is_plain_greedy(request: Request) -> bool:
         and not params.frequency_penalty
         and request.num_output_tokens >= params.min_tokens
         and not getattr(params, "logit_bias", None)  # a field the server's OpenAI mapping may set
+        and params.structured_outputs is None
     )
 
 

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from .structured_outputs.params import StructuredOutputsParams
+
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 MAX_INT32 = 2**31 - 1
@@ -55,6 +57,9 @@ class SamplingParams:
     # Logprobs of the prompt's own tokens (positions >= 1) under the raw model distribution, with this many
     # top alternatives (0: the prompt token's only); None: not computed (prompt_logprobs.py).
     prompt_logprobs: int | None = None
+    # Constrain the output to a JSON schema, regex, choice or grammar (structured_outputs/); None: free text.
+    # The grammar decides when the output may end, so min_tokens does not hold EOS back for such a request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +112,12 @@ class SamplingParams:
         )
         if self.logit_bias is not None:
             self.logit_bias = _checked_logit_bias(self.logit_bias)
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "a StructuredOutputsParams or None",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -5,7 +5,8 @@ The router has no tokenizer, so it works on characters. The text hashed is:
   token-id prompts are written as their decimal ids joined by spaces);
 - `/v1/chat/completions`: the messages rendered as `<|role|>content\\n` one after another
   (text parts of list contents concatenated; other parts ignored), so the system prompt
-  and the earlier turns come first, as they do in every chat template.
+  and the earlier turns come first, as they do in every chat template; a request with `tools`
+  starts with them (`<|tools|>` + their JSON, keys sorted), as templates render tools first.
 
 That text is cut into blocks of `block_chars` characters (64 by default, ~16 BPE tokens of
 English) and the key is a hash of its first `max_blocks` full blocks (4 by default, 256
@@ -18,6 +19,7 @@ prompt) is at least `block_chars * max_blocks` characters long therefore meet on
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 
@@ -27,7 +29,10 @@ def prompt_text(path: str, body: dict[str, Any]) -> str | None:
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
-        return "".join(_render_message(m) for m in messages if isinstance(m, dict)) or None
+        # Chat templates render the tools first: requests sharing tools share that prefix of the engine's cache.
+        tools = body.get("tools")
+        head = f"<|tools|>{json.dumps(tools, sort_keys=True)}\n" if isinstance(tools, list) and tools else ""
+        return head + "".join(_render_message(m) for m in messages if isinstance(m, dict)) or None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch: route on its first prompt

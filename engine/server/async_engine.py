@@ -39,6 +39,7 @@ from ..llm_engine import LLMEngine
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import EngineStats
+from ..structured_outputs import Grammar
 from .engine_info import EngineInfo
 from .metrics import EngineMetrics
 
@@ -82,6 +83,7 @@ class Child:
     prompt_token_ids: list[int]
     params: SamplingParams
     kv_transfer: ProducerParams | KVPayload | None = None  # P/D disaggregation (see server/disagg.py)
+    grammar: Grammar | None = None  # the compiled form of params.structured_outputs (server/structured.py)
 
 
 class RequestStream:
@@ -121,6 +123,7 @@ class AsyncEngine:
     ) -> None:
         self._engine = engine  # the engine thread's; the HTTP side uses `info`
         self.info = EngineInfo.from_engine(engine)
+        self.grammars = engine.grammars  # thread-safe: the server compiles constraints in its threads
         self.metrics = metrics
         self.max_queue_len = max_queue_len
         self.retry_after_s = retry_after_s
@@ -282,7 +285,12 @@ class AsyncEngine:
         for child in children:
             try:
                 self._engine.add_request(
-                    child.request_id, child.prompt_token_ids, child.params, arrival_time, kv_transfer=child.kv_transfer
+                    child.request_id,
+                    child.prompt_token_ids,
+                    child.params,
+                    arrival_time,
+                    kv_transfer=child.kv_transfer,
+                    grammar=child.grammar,
                 )
                 added.append(child.request_id)
                 self._live.add(child.request_id)

@@ -28,6 +28,7 @@ from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.distributed.executor import WorkerFailedError
 from tidepool.engine.distributed.launch import free_port
 from tidepool.engine.step_hooks import BeforeSchedule, StepHook, StepView
+from tidepool.engine.structured_outputs import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +54,34 @@ def _generate(llm: LLM) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(_prompts(), _params(), use_tqdm=False)]
 
 
+# Structured outputs: the grammar masks the logits rank 0 gathers, where the sampler lives.
+CONSTRAINED = SamplingParams(
+    max_tokens=80,
+    temperature=1.0,
+    seed=9,
+    structured_outputs=StructuredOutputsParams(
+        json={
+            "type": "object",
+            "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["n"],
+            "additionalProperties": False,
+        }  # fmt: skip
+    ),
+)
+
+
+def _constrained(llm: LLM) -> list[str]:
+    outputs = llm.generate(_prompts()[:3], CONSTRAINED, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
+    return [o.outputs[0].text for o in outputs]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir: Path) -> dict[str, Any]:
     llm = LLM(str(tiny_model_dir), **ENGINE)
     tokens = _generate(llm)
     logits = llm.engine.runner.prompt_logits(_prompts()[1])
-    return {"tokens": tokens, "logits": logits}
+    return {"tokens": tokens, "logits": logits, "constrained": _constrained(llm)}
 
 
 @pytest.fixture()
@@ -89,6 +112,7 @@ class _KillAtStep(StepHook):
 
 def _check_same_as_single(llm: LLM, reference: dict[str, Any]) -> None:
     assert _generate(llm) == reference["tokens"]
+    assert _constrained(llm) == reference["constrained"]
     logits = llm.engine.runner.prompt_logits(_prompts()[1])  # a scratch-KV pass through every rank
     torch.testing.assert_close(logits, reference["logits"], rtol=1e-4, atol=1e-4)
     # Prompt logprobs (chunked: 61 tokens over a 24-token budget) from the rows every rank computed.

@@ -123,6 +123,9 @@ def test_prompt_text_of_completions_and_chat() -> None:
     ]
     assert prompt_text("/v1/chat/completions", {"messages": messages}) == "<|system|>be brief\n<|user|>hi\n"
     assert prompt_text("/v1/chat/completions", {"messages": "nope"}) is None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = prompt_text("/v1/chat/completions", {"messages": messages, "tools": tools})
+    assert with_tools is not None and with_tools.startswith("<|tools|>") and with_tools.endswith("<|user|>hi\n")
 
 
 def test_parse_static_url() -> None:

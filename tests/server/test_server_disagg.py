@@ -66,6 +66,33 @@ def test_outputs_equal_unified_serving(server: Server, pd: tuple[Server, Server,
         s.wait_pool_free()
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["kind", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_constrained_output_continues_its_grammar_on_the_decode_engine(
+    server: Server, pd: tuple[Server, Server, int], temperature: float
+) -> None:
+    """The prefill engine samples the first token under the constraint; the decode engine's matcher takes it
+    and goes on: the same tokens as unified serving, a valid object."""
+    prefill, decode, kv_port = pd
+    body = {"prompt": "A pet:", "max_tokens": 60, "temperature": temperature, "seed": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}}  # fmt: skip
+    expected = httpx.post(f"{server.api}/completions", json=body, timeout=60).json()["choices"][0]
+    got = _handoff(prefill, decode, kv_port, body)
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (expected["text"], "stop")
+    value = json.loads(choice["text"])
+    assert value["kind"] in ("cat", "dog") and 0 <= value["n"] <= 99 and set(value) == {"kind", "n"}
+    decode.wait_pool_free()
+
+
 def test_streamed_decode_matches(server: Server, pd: tuple[Server, Server, int]) -> None:
     prefill, decode, kv_port = pd
     body = {**BODIES[0], "stream": True}
