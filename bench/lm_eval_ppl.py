@@ -15,6 +15,7 @@ Every child runs from /tmp (the repository root on sys.path would let `operator/
 standard library). Nothing here imports torch.
 
     python bench/lm_eval_ppl.py                       # the tiny random preset, a stdlib docstring text
+    python bench/lm_eval_ppl.py --model smollm2-135m-instruct      # the real model (GGUF -> float32 folder, once)
     python bench/lm_eval_ppl.py --model <hf folder> --text book.txt --max-length 2048
 """
 
@@ -89,9 +90,30 @@ def run(python: Path, backend: str, model_args: str, task_dir: Path, out: Path) 
             "byte_perplexity", "bits_per_byte")}  # fmt: skip
 
 
+def _model_folder(name: str | None) -> Path:
+    if name is None:
+        from tidepool.engine.make_model import make_model
+
+        folder = cache_dir() / "models" / "llama-tiny-seed0"
+        if not (folder / "config.json").is_file():
+            make_model("llama", "tiny", folder, seed=0)
+        return folder.resolve()
+    if Path(name).is_dir():
+        return Path(name).resolve()
+    from offline_throughput import resolve_model  # GGUF -> float32 folder, once (imports torch, transformers)
+
+    from tidepool.engine.engine_config import resolve_model_path
+
+    gguf = Path(resolve_model_path(name))  # catalogue names are pulled on first use
+    folder, _ = resolve_model(argparse.Namespace(model=str(gguf)))
+    return folder.resolve()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, help="a Hugging Face folder (default: the tiny random preset)")
+    parser.add_argument("--model", help="a Hugging Face folder, a .gguf file or a catalogue name, e.g. "
+                        "smollm2-135m-instruct (a GGUF is dequantized to a float32 folder once, so that both backends "
+                        "read the same weights; default: the tiny random preset)")  # fmt: skip
     parser.add_argument("--text", type=Path, help="a UTF-8 text file (default: stdlib module docstrings)")
     parser.add_argument("--max-length", type=int, default=512, help="lm-eval's rolling window, in tokens")
     parser.add_argument("--hf-device", default="cpu", help="where lm-eval's hf backend runs (cpu, cuda)")
@@ -99,14 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model is None:
-        from tidepool.engine.make_model import make_model
-
-        model = cache_dir() / "models" / "llama-tiny-seed0"
-        if not (model / "config.json").is_file():
-            make_model("llama", "tiny", model, seed=0)
-    model = model.resolve()
+    model = _model_folder(args.model)
     text = args.text.resolve() if args.text else default_text(out / "text.txt")
     write_task(out / "task", text)
     python = lm_eval_python()
