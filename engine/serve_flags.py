@@ -152,6 +152,10 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("drain-timeout", "float", 30.0, "seconds in-flight requests get to finish after SIGTERM",
               group="server", managed=True),
     ServeFlag("access-log", "switch", False, "log every HTTP request", group="server"),
+    ServeFlag("enable-auto-tool-choice", "switch", False, 'allow tool_choice "auto" (the default with tools): '
+              "the output is parsed for calls by --tool-call-parser", group="server"),
+    ServeFlag("tool-call-parser", "str", None, "the format the model writes tool calls in (vLLM's names): hermes "
+              "(<tool_call> JSON blocks: Qwen2.5, Hermes; SmolLM2's JSON lists in them too)", group="server"),
     # Also caps the event loop's JSON parsing of one body (worst case ~0.1 s per MB on a slow core).
     ServeFlag("max-body-bytes", "int", 16 << 20, "largest request body accepted; larger ones get 413 "
               "(default: 16 MiB)", group="limits"),

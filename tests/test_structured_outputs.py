@@ -18,7 +18,8 @@ import pytest
 
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.structured_outputs import GrammarCompiler, GrammarError, StructuredOutputsParams
-from tidepool.engine.structured_outputs.llguidance_backend import ascii_classes, check_ref_cycles, strict_schema
+from tidepool.engine.structured_outputs.llguidance_backend import ascii_classes
+from tidepool.engine.structured_outputs.schemas import check_ref_cycles, strict_schema
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

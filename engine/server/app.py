@@ -46,6 +46,7 @@ from .metrics import EngineMetrics
 from .prompts import PromptEncoder
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, param_from_loc
 from .serving import Serving
+from .tools.plan import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ServerConfig:
     drain_timeout_s: float = flag_default("drain-timeout")  # grace period for in-flight requests after SIGTERM
     max_body_bytes: int = flag_default("max-body-bytes")  # larger request bodies get 413
     body_read_timeout_s: float = flag_default("body-read-timeout")  # a client pausing mid-body gets 408
+    enable_auto_tool_choice: bool = flag_default("enable-auto-tool-choice")  # tool_choice "auto" allowed
+    tool_call_parser: str | None = flag_default("tool-call-parser")  # the model's tool-call format (tools/parsers.py)
 
 
 @dataclass(slots=True)
@@ -221,7 +224,8 @@ def _load(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
                                              info.cache_config)  # fmt: skip
         async_engine.metrics.record_startup(engine.startup_phases)
         encoder = PromptEncoder(info.tokenizer, info.max_model_len)
-        serving = Serving(async_engine, config.model_name, encoder, LogprobFormatter(info.tokenizer))
+        tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
+        serving = Serving(async_engine, config.model_name, encoder, LogprobFormatter(info.tokenizer), tools)
     except BaseException as err:
         logger.exception("failed to load the model")
         state.load_error = err

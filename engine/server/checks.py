@@ -3,7 +3,7 @@
 Role: everything `serving.py` verifies before it queues anything, each failure an `APIError`
 naming the parameter: the model name, `stream_options` without `stream`, `logit_bias` keys
 (token ids in the vocabulary), the fan-out of `n` x prompts against the queue bound, features
-that are not implemented (`response_format` other than text, tool calling, `suffix`, prompt logprobs
+that are not implemented (`suffix`, the deprecated `functions`/`function_call`, prompt logprobs
 in a stream: `prompt_logprobs`, or echo with logprobs), `max_tokens=0` without echo, and the
 translation of a request into `SamplingParams` (whose own checks are the engine's limits).
 
@@ -33,10 +33,6 @@ def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict
         if kind not in _RESPONSE_FORMATS:
             raise APIError(f"response_format.type must be one of {', '.join(map(repr, _RESPONSE_FORMATS))}; "
                            f"got {_short(kind)!r}", param="response_format.type")  # fmt: skip
-        if kind != "text":
-            raise APIError(f"response_format {kind!r} is not supported by this server yet (no guided decoding); "
-                           "leave response_format out or use {\"type\": \"text\"}", param="response_format",
-                           code="unsupported")  # fmt: skip
     return _logit_bias(req.logit_bias, vocab_size)
 
 
@@ -70,16 +66,12 @@ def check_chat(req: ChatCompletionRequest) -> None:
     check_prompt_logprobs(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    refused = {
-        "tools": bool(req.tools),
-        "functions": bool(req.functions),
-        "tool_choice": req.tool_choice not in (None, "none"),
-        "function_call": req.function_call not in (None, "none"),
-    }
+    # OpenAI's deprecated function-calling fields: refused, never ignored (tools/tool_choice: tools/plan.py).
+    refused = {"functions": bool(req.functions), "function_call": req.function_call not in (None, "none")}
     for param, is_used in refused.items():
         if is_used:
-            raise APIError(f"{param}: tool and function calling is not supported by this server yet; send the "
-                           "request without tools", param=param, code="unsupported")  # fmt: skip
+            raise APIError(f"{param} (OpenAI's deprecated function calling) is not supported; send the functions "
+                           "as tools and function_call as tool_choice", param=param, code="unsupported")  # fmt: skip
 
 
 def check_fan_out(num_prompts: int, n: int, max_queue_len: int) -> None:

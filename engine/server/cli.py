@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _server_config(args: argparse.Namespace) -> Any:
     from ..engine_config import EngineConfig, resolve_model_path
     from .app import ServerConfig
+    from .tools.parsers import check_tool_flags
 
     # What `LLM(...)` takes: a folder, a .gguf file (or a folder holding one), a catalogue name (pulled
     # when the model loads). A name that is none of these is refused here, before the port is bound.
@@ -77,6 +78,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         resolve_model_path(args.model, pull=False)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
+    check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # a bad name exits 2 before loading
     kwargs = serve_flags.engine_kwargs(args)
     # The rendezvous may also come from the environment (torchrun's MASTER_ADDR / MASTER_PORT).
     kwargs.update(master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1")
@@ -90,6 +92,8 @@ def _server_config(args: argparse.Namespace) -> Any:
         drain_timeout_s=args.drain_timeout,
         max_body_bytes=args.max_body_bytes,
         body_read_timeout_s=args.body_read_timeout,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

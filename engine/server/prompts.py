@@ -62,14 +62,19 @@ class PromptEncoder:
             self.check_length(len(text), param)
         return await self._in_thread(self._encode, list(texts), add_special_tokens)
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages`; a template's own error becomes a 400 on `messages`."""
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The chat template applied to `messages` (and `tools`, for a template that renders them); a template's
+        own error becomes a 400 on `messages`."""
+        # Tools are not counted: a template may leave parts of them out, and the rendered text is checked when encoded.
         self.check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
             return await self._in_thread(
-                functools.partial(self.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt),
+                functools.partial(self.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                                  tools=tools),
                 messages,
-            )
+            )  # fmt: skip
         except Exception as err:  # templates raise their own errors (e.g. roles must alternate)
             raise APIError(f"the chat template rejected the messages: {err}", param="messages") from err
 

@@ -15,7 +15,6 @@ in the vocabulary) are made by `serving.py`, which raises `APIError` with the pa
 
 from __future__ import annotations
 
-from itertools import chain
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -32,6 +31,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..sampling_params import LOGIT_BIAS_LIMIT, MAX_INT32, REPETITION_PENALTY_RANGE, SEED_MAX, SEED_MIN
+from .surrogates import refuse_unpaired_surrogates
+from .tools.schema import DeltaToolCall, MessageToolCalls, ToolCall, ToolChoice, ToolDefinition
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -103,63 +104,6 @@ def param_from_loc(loc: tuple[int | str, ...]) -> str | None:
         elif part.isidentifier() and part not in _LOC_TAGS and "[" not in part:
             param += f".{part}" if param else part
     return param or None
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})
-_WALKED = (str, list, tuple, dict, BaseModel)  # what can hold a string
-
-
-def find_unpaired_surrogate(value: Any, path: str = "") -> tuple[str, int] | None:
-    """(where, index) of the first string in `value` holding an unpaired UTF-16 surrogate, else None.
-
-    Python's JSON parser turns a lone `\\ud800` escape into such a string; it cannot be encoded as
-    UTF-8, so the tokenizer (and any response echoing it) would fail on it. Linear in the input,
-    with the per-item work in C where it can be: a 5M-token-id prompt is scanned in a fraction of a second.
-    """
-    if isinstance(value, str):
-        if value.isascii():
-            return None
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            return path or "body", err.start
-        return None
-    if isinstance(value, BaseModel):
-        items: Any = ((name, getattr(value, name)) for name in type(value).model_fields)
-    elif isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list | tuple):
-        types = set(map(type, value))
-        if types <= _SCALARS:  # numbers only (token ids): nothing to look at
-            return None
-        if types == {list} and set(map(type, chain.from_iterable(value))) <= _SCALARS:  # lists of token ids
-            return None
-        if types == {str} and find_unpaired_surrogate("".join(value)) is None:  # many strings checked at once
-            return None
-        items = ((i, item) for i, item in enumerate(value) if isinstance(item, _WALKED))
-    else:
-        return None
-    for key, item in items:
-        if isinstance(key, int):
-            where = f"{path}[{key}]"
-        else:
-            found = find_unpaired_surrogate(key, path)  # a dict key names no parameter of its own
-            if found is not None:
-                return found
-            shown = key if len(key) <= 40 else key[:40] + "..."  # a huge key must not make a huge message
-            where = f"{path}.{shown}" if path else shown
-        found = find_unpaired_surrogate(item, where)
-        if found is not None:
-            return found
-    return None
-
-
-def refuse_unpaired_surrogates(request: BaseModel) -> None:
-    """A request model's validator: the error naming where `request` holds an unpaired surrogate, if it does."""
-    found = find_unpaired_surrogate(request)
-    if found is not None:
-        message = "{param}: the string holds an unpaired UTF-16 surrogate at index {index}; send valid Unicode"
-        raise PydanticCustomError("invalid_unicode", message, {"param": found[0], "index": found[1]})
 
 
 def _prompt_kind(value: Any) -> str:
@@ -234,7 +178,8 @@ class SamplingRequest(StrictModel):
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's extension: logprob tokens as "token_id:N"
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's extension: choices[i].prompt_logprobs
-    response_format: ResponseFormat | None = None  # only {"type": "text"} until guided decoding exists
+    response_format: ResponseFormat | None = None  # text, json_object or json_schema (server/structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: json, regex, choice, grammar, json_object
     user: str | None = None
     # P/D disaggregation hand-off set by Tidepool's router (see engine/server/disagg.py); clients leave it out.
     kv_transfer_params: dict[str, Any] | None = None
@@ -272,6 +217,8 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: MessageToolCalls | None = None  # assistant: the calls it made (tools/render.py renders them)
+    tool_call_id: str | None = None  # role "tool": the call this message answers
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -281,10 +228,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM's extension
-    # Tool calling is refused with a 400 until it is supported (serving.py), never silently ignored.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None  # tool calling: engine/server/tools/
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's deprecated forms of tools: refused (checks.py)
     function_call: Any = None
 
 
@@ -339,6 +286,11 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # left out when there are none, as OpenAI does
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if key != "tool_calls" or value is not None}
 
 
 class ChatChoice(BaseModel):
@@ -362,6 +314,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None  # streamed calls: written by tools/replies.py
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """OpenAI completions and chat completions on top of `AsyncEngine`: validate, fan out, stream back.
 
-Role: turn a parsed request into engine requests (one per prompt and per `n`; seeded ones
-get seed, seed+1, … like `LLM.generate`), then the engine's outputs into OpenAI responses or
-SSE chunks ending with `data: [DONE]`. Tokenization runs in the prompt encoder's threads.
+Role: turn a parsed request into engine requests (jobs.py: one per prompt and per `n`), constrain
+them (structured.py: response_format, structured_outputs, tool_choice), then the engine's outputs
+into OpenAI responses or SSE chunks ending with `data: [DONE]` (tool calls parsed by tools/).
+Tokenization runs in the prompt encoder's threads.
 
 Invariants:
 - Every check that can fail happens before anything is queued (checks.py and the engine's
@@ -23,18 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..outputs import CompletionOutput, RequestOutput
-from ..request import check_prompt_token_ids
+from ..outputs import CompletionOutput
 from .async_engine import (
     AsyncEngine,
-    Child,
     EngineDeadError,
     QueueFullError,
     RequestStream,
@@ -44,17 +42,14 @@ from .checks import (
     check_common,
     check_completion,
     check_fan_out,
-    check_min_tokens,
-    message_dict,
-    sampling_params,
 )
 from .disagg import attach_kv_transfer, wait_sent
+from .jobs import Job, build_job
 from .logprobs import LogprobFormatter
-from .prompt_logprobs import attach, completion_logprobs, engine_prompt_logprobs, vllm_prompt_logprobs
+from .prompt_logprobs import attach, completion_logprobs, vllm_prompt_logprobs
 from .prompts import PromptEncoder
 from .protocol import (
     APIError,
-    AssistantMessage,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -63,31 +58,15 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     SamplingRequest,
-    Usage,
 )
 from .replies import answering_shutdown, engine_error, error_event, finish_error, refusal
 from .sse import StreamChunks
+from .structured import constrain
+from .tools.plan import NO_TOOLS, ToolPlan, ToolSettings, check_tools
+from .tools.render import chat_inputs
+from .tools.replies import ToolStream, tool_message
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there
-
-
-@dataclass(slots=True)
-class _Job:
-    """One HTTP request's engine requests and what is needed to answer it."""
-
-    response_id: str
-    created: int
-    prompts: list[list[int]]
-    prompt_texts: list[str | None]
-    n: int
-    children: list[Child] = field(default_factory=list)
-    index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
-    finals: dict[str, RequestOutput] = field(default_factory=dict)  # engine request id -> final output
-
-    def usage(self) -> Usage:
-        prompt = sum(len(p) for p in self.prompts)
-        completion = sum(len(out.outputs[0].token_ids) for out in self.finals.values())
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 @dataclass(slots=True)
@@ -104,13 +83,19 @@ class _Delta:
 
 class Serving:
     def __init__(
-        self, engine: AsyncEngine, model_name: str, encoder: PromptEncoder, logprobs: LogprobFormatter
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        encoder: PromptEncoder,
+        logprobs: LogprobFormatter,
+        tools: ToolSettings | None = None,
     ) -> None:
         self.engine = engine
         self.info = engine.info
         self.model_name = model_name
         self.encoder = encoder
         self.logprobs = logprobs
+        self.tools = tools or ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser
 
     # ---- completions ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -121,7 +106,10 @@ class Serving:
     async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         prompts, texts = await self._completion_prompts(req)
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
-        job = self._job("cmpl", prompts, texts, req, (req.max_tokens, sent), "prompt", req.logprobs, logit_bias)
+        job = build_job(
+            self.info, "cmpl", prompts, texts, req, (req.max_tokens, sent), "prompt", req.logprobs, logit_bias
+        )
+        await constrain(self.engine, job.children, req)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
@@ -160,7 +148,7 @@ class Serving:
         check_fan_out(1, req.n, self.engine.max_queue_len)
         return [list(prompt)], [None]  # type: ignore[arg-type]
 
-    async def _stream_completion(self, job: _Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
+    async def _stream_completion(self, job: Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
         chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=False)
         if req.echo:
             for index in job.index_of.values():
@@ -190,17 +178,19 @@ class Serving:
         return await answering_shutdown(self._chat(req, raw, logit_bias))
 
     async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
-        text, prompt = await self.chat_prompt(req.messages, req.add_generation_prompt)
+        plan = check_tools(req, self.tools)  # before anything is queued, like every check
+        text, prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, plan=plan)
         if req.max_completion_tokens is not None:
             budget = (req.max_completion_tokens, "max_completion_tokens")
         else:
             budget = (req.max_tokens, "max_tokens" if req.max_tokens is not None else None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        job = self._job("chatcmpl", [prompt], [text], req, budget, "messages", num_top, logit_bias)
+        job = build_job(self.info, "chatcmpl", [prompt], [text], req, budget, "messages", num_top, logit_bias)
+        await constrain(self.engine, job.children, req)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
         if req.stream:
-            return self._sse(self._stream_chat(job, stream, req, num_top), stream)
+            return self._sse(self._stream_chat(job, stream, req, num_top, plan), stream)
         if not await self._collect(job, stream, raw):
             return Response(status_code=499)
         kv_params = await self.engine.guard(wait_sent(self.info, producer)) if producer else None
@@ -210,9 +200,10 @@ class Serving:
             logprobs = None
             if num_top is not None:
                 logprobs = self.logprobs.chat(comp, 0, len(comp.token_ids), num_top, req.return_tokens_as_token_ids)
+            message, finish_reason = tool_message(plan, comp.text, comp.finish_reason)
             choices.append(
-                ChatChoice(index=index, message=AssistantMessage(content=comp.text), logprobs=logprobs,
-                           finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
+                ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                           stop_reason=comp.stop_reason)
             )  # fmt: skip
         choices.sort(key=lambda c: c.index)
         body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
@@ -224,20 +215,25 @@ class Serving:
             raise APIError("this model has no chat template; send a plain prompt (/v1/completions)", param="messages")
 
     async def chat_prompt(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool = False
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        add_special_tokens: bool = False,
+        plan: ToolPlan = NO_TOOLS,
     ) -> tuple[str, list[int]]:
-        """The text and token ids a chat becomes for the engine: the one path of /v1/chat/completions and of
-        /tokenize's chat form. The template already carries any BOS token, so the text is encoded without
-        adding special tokens again (unless /tokenize's `add_special_tokens` asks for them)."""
-        dicts = [message_dict(m) for m in messages]
-        text = await self.engine.guard(self.encoder.render_chat(dicts, add_generation_prompt))
+        """The text and token ids a chat (with `plan`'s tools, tools/render.py) becomes for the engine: the one path
+        of /v1/chat/completions and of /tokenize's chat form. The template already carries any BOS token, so the
+        text is encoded without adding special tokens again (unless /tokenize's `add_special_tokens` asks)."""
+        dicts, tools = chat_inputs(messages, plan, self.info.tokenizer)
+        text = await self.engine.guard(self.encoder.render_chat(dicts, add_generation_prompt, tools))
         [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens))
         return text, prompt
 
     async def _stream_chat(
-        self, job: _Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None
+        self, job: Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None, plan: ToolPlan
     ) -> AsyncIterator[str]:
         chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=True)
+        tool_stream = ToolStream(plan, chunks)  # without a parser: one chunk per piece, as ever
         for index in job.index_of.values():
             yield chunks.event([chunks.chat_choice(index, "", role="assistant")])
         async for item in self._deltas(job, stream):
@@ -248,14 +244,14 @@ class Serving:
             if num_top is not None:
                 logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top,
                                               req.return_tokens_as_token_ids)  # fmt: skip
-            yield chunks.event([chunks.chat_choice(item.index, item.text, None, logprobs, comp.finish_reason,
-                                                   comp.stop_reason)])  # fmt: skip
+            for event in tool_stream.events(item.index, item.text, logprobs, comp.finish_reason, comp.stop_reason):
+                yield event
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunks.event([], usage=job.usage())
         yield "data: [DONE]\n\n"
 
     # ---- shared ---------------------------------------------------------------------------------
-    async def _deltas(self, job: _Job, stream: RequestStream) -> AsyncIterator[_Delta | str]:
+    async def _deltas(self, job: Job, stream: RequestStream) -> AsyncIterator[_Delta | str]:
         """Each choice's new text as it becomes safe to send; after a failure one SSE error event (a str), then stop."""
         sent_chars = dict.fromkeys(job.index_of, 0)
         sent_tokens = dict.fromkeys(job.index_of, 0)
@@ -292,54 +288,13 @@ class Serving:
         finally:
             self._abort_unfinished(stream)
 
-    def _job(
-        self,
-        kind: str,
-        prompts: list[list[int]],
-        texts: list[str | None],
-        req: SamplingRequest,
-        budget: tuple[int | None, str | None],
-        prompt_param: str,
-        logprobs: int | None,
-        logit_bias: dict[int, float] | None,
-    ) -> _Job:
-        """The engine requests for `prompts` (n each). `budget` is (max_tokens, the request field it came from;
-        None for a default); a max_tokens of None means the room each prompt leaves in the context."""
-        max_tokens, max_tokens_from = budget
-        job = _Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n)
-        limit = self.info.max_model_len
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise APIError(f"{prompt_param} is empty: give at least one token", param=prompt_param)
-            wanted = len(prompt) + (1 if max_tokens is None else max_tokens)
-            if wanted > limit:
-                raise APIError(
-                    f"This model's maximum context length is {limit} tokens. However, you requested {wanted} tokens "
-                    f"({len(prompt)} in the {prompt_param}, {wanted - len(prompt)} in the completion). "
-                    f"Please reduce the length of the {prompt_param} or completion.",
-                    param=prompt_param,
-                    code="context_length_exceeded",
-                )
-            try:
-                check_prompt_token_ids(prompt, self.info.vocab_size, limit)
-            except ValueError as err:
-                raise APIError(str(err), param=prompt_param) from err
-            check_min_tokens(req.min_tokens, max_tokens, max_tokens_from, len(prompt), prompt_param, limit)
-            budget_left = limit - len(prompt) if max_tokens is None else max_tokens
-            params = sampling_params(req, budget_left, logprobs, logit_bias, engine_prompt_logprobs(req))
-            for j in range(req.n):
-                child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
-                job.children.append(child)
-                job.index_of[child.request_id] = i * req.n + j
-        return job
-
-    def _submit(self, job: _Job) -> RequestStream:
+    def _submit(self, job: Job) -> RequestStream:
         try:
             return self.engine.add(job.children, time.monotonic())
         except (QueueFullError, EngineDeadError) as err:
             raise refusal(err) from err
 
-    async def _collect(self, job: _Job, stream: RequestStream, raw: Request) -> bool:
+    async def _collect(self, job: Job, stream: RequestStream, raw: Request) -> bool:
         """Wait for every final output (into `job.finals`); False if the client went away (requests aborted).
         A request the engine failed on, or a shutdown aborted, raises the APIError to answer with."""
 
@@ -386,7 +341,7 @@ class Serving:
         if not stream.finished:
             self.engine.abort(set(stream.unfinished_ids))
 
-    def _with_prompt_logprobs(self, body: dict, job: _Job, req: SamplingRequest) -> dict:
+    def _with_prompt_logprobs(self, body: dict, job: Job, req: SamplingRequest) -> dict:
         """vLLM's `prompt_logprobs` per choice, when the request asked for them (prompt_logprobs.py)."""
         if req.prompt_logprobs is None:
             return body
@@ -394,6 +349,6 @@ class Serving:
                      for rid, i in job.index_of.items()}  # fmt: skip
         return attach(body, per_index)
 
-    async def _prompt_text(self, job: _Job, prompt_index: int) -> str:
+    async def _prompt_text(self, job: Job, prompt_index: int) -> str:
         text = job.prompt_texts[prompt_index]
         return text if text is not None else await self.encoder.decode(job.prompts[prompt_index])

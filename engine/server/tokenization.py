@@ -3,7 +3,7 @@
 Role: benchmark clients and gateways ask a vLLM server how many tokens a text or a chat is, and
 what text token ids stand for. `POST /tokenize` takes a completion form (`prompt`, with
 `add_special_tokens` true by default) or a chat form (`messages`, `add_generation_prompt`,
-`add_special_tokens` false by default) and answers `{"count", "max_model_len", "tokens",
+`add_special_tokens` false by default, `tools`) and answers `{"count", "max_model_len", "tokens",
 "token_strs"}` (`token_strs`, the tokens' vocabulary strings, only with `return_token_strs`);
 `POST /detokenize` takes `tokens` and answers `{"prompt"}`, special tokens spelled out (as vLLM).
 (The module is not named `tokenize`: that would shadow the standard library's wherever this
@@ -11,7 +11,7 @@ folder lands on `sys.path`.)
 
 Invariants:
 - The chat form goes through `Serving.chat_prompt`, the one path of `/v1/chat/completions`, so
-  its tokens are exactly the prompt a chat completion of the same messages feeds the engine.
+  its tokens are exactly the prompt a chat completion of the same messages (and tools) feeds the engine.
 - The requests are checked like the completion endpoints' (protocol.py): strict types, unknown
   fields ignored, proper Unicode, `model` naming the served model or a 404; chat fields vLLM
   takes but the chat path does not support are refused with a 400, never ignored. Every refusal
@@ -32,9 +32,12 @@ from pydantic import BaseModel, Field, PlainValidator, ValidationError, model_va
 from pydantic_core import PydanticCustomError
 
 from .checks import check_model
-from .protocol import APIError, ChatMessage, StrictModel, refuse_unpaired_surrogates
+from .protocol import APIError, ChatMessage, StrictModel
 from .replies import answering_shutdown
 from .serving import Serving
+from .surrogates import refuse_unpaired_surrogates
+from .tools.plan import ToolPlan, check_messages, check_tool_definitions
+from .tools.schema import ToolDefinition
 
 
 def _token_ids(value: Any) -> list[int]:
@@ -68,11 +71,11 @@ class TokenizeChatRequest(_TokenizerRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # on top of those the chat template writes (vLLM's default: none)
     return_token_strs: bool | None = False
+    tools: list[ToolDefinition] | None = None  # rendered as a chat completion renders them (tools/render.py)
     # vLLM takes these; this server's chat path does not support them yet, so they are refused when used.
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
 
@@ -111,7 +114,6 @@ def _check_chat(req: TokenizeChatRequest) -> None:
         "continue_final_message": req.continue_final_message,
         "chat_template": req.chat_template is not None,
         "chat_template_kwargs": bool(req.chat_template_kwargs),
-        "tools": bool(req.tools),
         "mm_processor_kwargs": bool(req.mm_processor_kwargs),
     }
     for param, is_used in refused.items():
@@ -125,8 +127,10 @@ async def tokenize(serving: Serving, req: TokenizeCompletionRequest | TokenizeCh
     if isinstance(req, TokenizeChatRequest):
         _check_chat(req)
         serving.check_chat_template()
+        check_messages(req.messages)
+        plan = ToolPlan(check_tool_definitions(req.tools), None)  # rendered (not parsed), as the chat completion
         _, token_ids = await answering_shutdown(
-            serving.chat_prompt(req.messages, req.add_generation_prompt, req.add_special_tokens)
+            serving.chat_prompt(req.messages, req.add_generation_prompt, req.add_special_tokens, plan)
         )
     else:
         encoded = serving.encoder.encode([req.prompt], "prompt", req.add_special_tokens)

@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# How constrained JSON is written (llguidance's JSON options, also given to `%json{...}` blocks inside grammars):
+# as json.dumps writes it. A grammar that allows free whitespace lets a small model fill an object with newlines
+# until max_tokens.
+JSON_STYLE: dict[str, object] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)

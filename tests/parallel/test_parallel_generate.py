@@ -65,7 +65,7 @@ CONSTRAINED = SamplingParams(
             "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
             "required": ["n"],
             "additionalProperties": False,
-        }  # fmt: skip
+        }
     ),
 )
 

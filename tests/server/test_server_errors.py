@@ -21,6 +21,10 @@ def _raw(base: dict[str, Any], **fields: Any) -> bytes:
     return json.dumps({**base, **fields}).encode()
 
 
+def _schema(schema: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+
+
 # (name, path, body (a dict merged into a valid request, or raw bytes), status, param named in the error)
 CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
     ("invalid-json", COMPLETIONS, b'{"prompt": "hi",', 400, None),
@@ -118,8 +122,30 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
     ),
     # OpenAI/vLLM parameters are honoured or refused, never silently ignored (item 7).
     ("response_format-bogus", CHAT, {"response_format": {"type": "bogus"}}, 400, "response_format.type"),
-    ("response_format-json_object", CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    # Structured outputs: each bad constraint is a 400 naming the field, before anything is queued.
+    ("json_schema-missing", CHAT, {"response_format": {"type": "json_schema"}}, 400, "response_format.json_schema"),
+    ("json_schema-name", CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}, 400,
+     "response_format.json_schema.name"),
+    ("json_schema-bad-type", CHAT, _schema({"type": "strnig"}), 400, "response_format.json_schema.schema"),
+    ("json_schema-ref-cycle", CHAT, _schema({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}), 400,
+     "response_format.json_schema.schema"),
+    ("json_schema-missing-ref", CHAT, _schema({"$ref": "#/$defs/nowhere"}), 400, "response_format.json_schema.schema"),
+    ("json_schema-bad-pattern", CHAT, _schema({"type": "string", "pattern": "(("}), 400,
+     "response_format.json_schema.schema"),
+    ("json_schema-not-object", CHAT, _schema([1, 2]), 400, "response_format.json_schema.schema"),
+    ("json_schema-false", CHAT, _schema(False), 400, "response_format.json_schema.schema"),
+    ("structured-regex", COMPLETIONS, {"structured_outputs": {"regex": "[a-"}}, 400, "structured_outputs.regex"),
+    ("structured-grammar", COMPLETIONS, {"structured_outputs": {"grammar": "start: nowhere"}}, 400,
+     "structured_outputs.grammar"),
+    ("structured-unknown-key", COMPLETIONS, {"structured_outputs": {"whitespace_pattern": " "}}, 400,
+     "structured_outputs.whitespace_pattern"),
+    ("structured-two-kinds", COMPLETIONS, {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs"),
+    ("structured-empty-choice", COMPLETIONS, {"structured_outputs": {"choice": []}}, 400, "structured_outputs.choice"),
+    ("structured-and-response_format", CHAT,
+     {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
+    # tool_choice "auto" (the default with tools) needs --enable-auto-tool-choice (test_server_tools.py: the rest)
+    ("tools", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("tool_choice", CHAT, {"tool_choice": "required"}, 400, "tool_choice"),
     ("functions", CHAT, {"functions": [{"name": "f"}]}, 400, "functions"),
     ("logit_bias-range", COMPLETIONS, {"logit_bias": {"5": 101}}, 400, "logit_bias"),
