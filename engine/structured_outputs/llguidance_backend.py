@@ -28,6 +28,9 @@ from .backend import GrammarError, Matcher
 from .params import JSON_STYLE, StructuredOutputsParams
 from .schemas import check_ref_cycles, strict_schema
 
+_PARALLEL_ROWS = 8  # rows per step from which llguidance's own thread pool fills the masks ...
+_PARALLEL_CPUS = 8  # ... on hosts with at least this many CPUs
+
 
 class LLGuidanceMatcher:
     __slots__ = ("_matcher",)
@@ -101,10 +104,16 @@ class LLGuidanceBackend:
         return LLGuidanceGrammar(template)
 
     def fill_bitmasks(self, rows: Sequence[tuple[Matcher, int]], data_ptr: int, row_bytes: int, num_rows: int) -> None:
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor(num_threads=min(4, os.cpu_count() or 1))
-        pairs = [(matcher._matcher, index) for matcher, index in rows]  # type: ignore[attr-defined]
-        self._executor.unsafe_compute_mask_ptr(pairs, data_ptr, row_bytes, num_rows)
+        # Each call drops the GIL. On a small CPU host one thread is enough (a few hundred microseconds for a
+        # batch of 16); llguidance's thread pool pays only where cores are to spare (a GPU host, big batches).
+        if len(rows) >= _PARALLEL_ROWS and (os.cpu_count() or 1) >= _PARALLEL_CPUS:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            pairs = [(matcher._matcher, index) for matcher, index in rows]  # type: ignore[attr-defined]
+            self._executor.unsafe_compute_mask_ptr(pairs, data_ptr, row_bytes, num_rows)
+            return
+        for matcher, index in rows:
+            matcher._matcher.unsafe_compute_mask_ptr(data_ptr + index * row_bytes, row_bytes)  # type: ignore[attr-defined]
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
