@@ -99,7 +99,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], dict[str, LogprobEntry]]:
         """logits: float32 [num_rows, vocab]; returns token ids (row order) and logprobs by request id."""
         if all(_is_plain_greedy(r) for r in requests):
-            # Nothing to apply before the argmax: no copy of the logits, one device-to-host transfer.
+            # Nothing to apply before the argmax but grammar masks, which go into these logits in place (nothing
+            # reads them after the sampler): no copy, one device-to-host transfer.
+            self.grammar_masks.apply(logits, requests)
             return logits.argmax(dim=-1).tolist(), {}
         raw = logits
         logits = logits.clone()
@@ -218,7 +220,8 @@ def _draw_exponential(row: torch.Tensor, generator: torch.Generator) -> None:
 
 
 def _is_plain_greedy(request: Request) -> bool:
-    """Greedy, and nothing would change its logits row first: no penalty, mask, bias or logprobs."""
+    """Greedy, and nothing would change its logits row first but a grammar's mask: no penalty, `min_tokens`
+    mask, bias or logprobs."""
     params = request.sampling_params
     return (
         params.is_greedy
@@ -228,7 +231,6 @@ def _is_plain_greedy(request: Request) -> bool:
         and not params.frequency_penalty
         and request.num_output_tokens >= params.min_tokens
         and not getattr(params, "logit_bias", None)  # a field the server's OpenAI mapping may set
-        and params.structured_outputs is None
     )
 
 

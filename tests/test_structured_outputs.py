@@ -108,6 +108,25 @@ def test_strict_closes_objects_the_schema_leaves_open() -> None:
     assert "additionalProperties" not in schema  # the caller's schema is not modified
 
 
+def test_strict_leaves_the_parts_of_an_all_of_open(llm: LLM) -> None:
+    """Each allOf branch declares some keys of one object: closing a branch would refuse the others' keys, so
+    the holder is closed over their union instead."""
+    schema = {
+        "$defs": {"named": {"type": "object", "properties": {"name": {"enum": ["kim", "lee"]}}, "required": ["name"]}},
+        "allOf": [
+            {"$ref": "#/$defs/named"},
+            {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["n"]},
+        ],
+    }
+    strict = strict_schema(schema)
+    assert "additionalProperties" not in strict["$defs"]["named"]
+    assert all("additionalProperties" not in branch for branch in strict["allOf"])
+    assert strict["additionalProperties"] is False and strict["properties"] == {"n": True, "name": True}
+    for output in llm.generate([PROMPT] * 2, _params(2, _json(schema, strict=True)), use_tqdm=False):
+        _assert_valid([(output.outputs[0].text, output.outputs[0].finish_reason)], schema)
+        assert set(json.loads(output.outputs[0].text)) == {"name", "n"}
+
+
 def test_regex_classes_are_ascii_as_in_json_schema() -> None:
     assert ascii_classes(r"\d{3}-\w+") == "[0-9]{3}-[0-9A-Za-z_]+"
     assert ascii_classes(r"[\d.]\D\\d") == r"[0-9.][^0-9]\\d"
