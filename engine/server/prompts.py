@@ -17,12 +17,12 @@ prompt therefore costs microseconds instead of tens of seconds of tokenizer time
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..tokenizer import Tokenizer
+from .chat_render import RenderOptions, render
 from .protocol import APIError
 
 T = TypeVar("T")
@@ -63,18 +63,14 @@ class PromptEncoder:
         return await self._in_thread(self._encode, list(texts), add_special_tokens)
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, options: RenderOptions
     ) -> str:
-        """The chat template applied to `messages` (and `tools`, for a template that renders them); a template's
-        own error becomes a 400 on `messages`."""
+        """The chat template applied to `messages` (and `tools`, for a template that renders them) with `options`
+        (chat_render.py); a template's own error becomes a 400 on `messages`."""
         # Tools are not counted: a template may leave parts of them out, and the rendered text is checked when encoded.
         self.check_length(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return await self._in_thread(
-                functools.partial(self.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
-                                  tools=tools),
-                messages,
-            )  # fmt: skip
+            return await self._in_thread(render, self.tokenizer, messages, tools, options)
         except Exception as err:  # templates raise their own errors (e.g. roles must alternate)
             raise APIError(f"the chat template rejected the messages: {err}", param="messages") from err
 

@@ -145,7 +145,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's extension; accepted, usage comes in the last chunk only
+    continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, every chunk carries the usage so far
 
 
 class ResponseFormat(StrictModel):
@@ -221,13 +221,23 @@ class ChatMessage(StrictModel):
     tool_call_id: str | None = None  # role "tool": the call this message answers
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(StrictModel):
+    """How a chat is rendered (vLLM's extensions), shared by chat completions and /tokenize's chat form
+    (chat_render.py reads them)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # end the prompt inside the last (assistant) message: the model continues it
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # a per-request template: refused (this server renders the model's own)
+    mm_processor_kwargs: dict[str, Any] | None = None  # multimodal: refused when not empty (text models only)
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True  # vLLM's extension
     tools: list[ToolDefinition] | None = None  # tool calling: engine/server/tools/
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (OpenAI's defaults)
     parallel_tool_calls: bool = True

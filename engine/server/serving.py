@@ -37,6 +37,7 @@ from .async_engine import (
     QueueFullError,
     RequestStream,
 )
+from .chat_render import render_options
 from .checks import (
     check_chat,
     check_common,
@@ -54,6 +55,7 @@ from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessage,
+    ChatTemplateFields,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -164,7 +166,7 @@ class Serving:
                                                     req.logprobs, req.return_tokens_as_token_ids,
                                                     req.skip_special_tokens)  # fmt: skip
             yield chunks.event([chunks.completion_choice(item.index, item.text, logprobs, comp.finish_reason,
-                                                         comp.stop_reason)])  # fmt: skip
+                                                         comp.stop_reason)], job.usage_so_far(item, req))  # fmt: skip
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunks.event([], usage=job.usage())
         yield "data: [DONE]\n\n"
@@ -179,7 +181,7 @@ class Serving:
 
     async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
         plan = check_tools(req, self.tools)  # before anything is queued, like every check
-        text, prompt = await self.chat_prompt(req.messages, req.add_generation_prompt, plan=plan)
+        text, prompt = await self.chat_prompt(req, req.messages, plan=plan)
         if req.max_completion_tokens is not None:
             budget = (req.max_completion_tokens, "max_completion_tokens")
         else:
@@ -216,16 +218,18 @@ class Serving:
 
     async def chat_prompt(
         self,
+        req: ChatTemplateFields,
         messages: list[ChatMessage],
-        add_generation_prompt: bool,
         add_special_tokens: bool = False,
         plan: ToolPlan = NO_TOOLS,
     ) -> tuple[str, list[int]]:
-        """The text and token ids a chat (with `plan`'s tools, tools/render.py) becomes for the engine: the one path
-        of /v1/chat/completions and of /tokenize's chat form. The template already carries any BOS token, so the
-        text is encoded without adding special tokens again (unless /tokenize's `add_special_tokens` asks)."""
+        """The text and token ids a chat (rendered as `req` asks, chat_render.py; with `plan`'s tools,
+        tools/render.py) becomes for the engine: the one path of /v1/chat/completions and of /tokenize's chat form.
+        The template already carries any BOS token, so the text is encoded without adding special tokens again
+        (unless /tokenize's `add_special_tokens` asks)."""
         dicts, tools = chat_inputs(messages, plan, self.info.tokenizer)
-        text = await self.engine.guard(self.encoder.render_chat(dicts, add_generation_prompt, tools))
+        options = render_options(req, dicts)
+        text = await self.engine.guard(self.encoder.render_chat(dicts, tools, options))
         [prompt] = await self.engine.guard(self.encoder.encode([text], "messages", add_special_tokens))
         return text, prompt
 
@@ -235,7 +239,7 @@ class Serving:
         chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=True)
         tool_stream = ToolStream(plan, chunks)  # without a parser: one chunk per piece, as ever
         for index in job.index_of.values():
-            yield chunks.event([chunks.chat_choice(index, "", role="assistant")])
+            yield chunks.event([chunks.chat_choice(index, "", role="assistant")], job.usage_so_far(index, req))
         async for item in self._deltas(job, stream):
             if isinstance(item, str):
                 yield item
@@ -244,7 +248,9 @@ class Serving:
             if num_top is not None:
                 logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top,
                                               req.return_tokens_as_token_ids)  # fmt: skip
-            for event in tool_stream.events(item.index, item.text, logprobs, comp.finish_reason, comp.stop_reason):
+            usage = job.usage_so_far(item, req)
+            for event in tool_stream.events(item.index, item.text, logprobs, comp.finish_reason, comp.stop_reason,
+                                            usage):  # fmt: skip
                 yield event
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunks.event([], usage=job.usage())

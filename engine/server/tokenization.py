@@ -2,8 +2,9 @@
 
 Role: benchmark clients and gateways ask a vLLM server how many tokens a text or a chat is, and
 what text token ids stand for. `POST /tokenize` takes a completion form (`prompt`, with
-`add_special_tokens` true by default) or a chat form (`messages`, `add_generation_prompt`,
-`add_special_tokens` false by default, `tools`) and answers `{"count", "max_model_len", "tokens",
+`add_special_tokens` true by default) or a chat form (`messages`, `add_special_tokens` false by default, `tools`, and
+the chat rendering fields of chat_render.py: `add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`) and answers `{"count", "max_model_len", "tokens",
 "token_strs"}` (`token_strs`, the tokens' vocabulary strings, only with `return_token_strs`);
 `POST /detokenize` takes `tokens` and answers `{"prompt"}`, special tokens spelled out (as vLLM).
 (The module is not named `tokenize`: that would shadow the standard library's wherever this
@@ -14,7 +15,7 @@ Invariants:
   its tokens are exactly the prompt a chat completion of the same messages (and tools) feeds the engine.
 - The requests are checked like the completion endpoints' (protocol.py): strict types, unknown
   fields ignored, proper Unicode, `model` naming the served model or a 404; chat fields vLLM
-  takes but the chat path does not support are refused with a 400, never ignored. Every refusal
+  takes but the chat path cannot honour are refused with a 400 (chat_render.py), never ignored. Every refusal
   is OpenAI's error body naming the parameter.
 - A text is tokenized only within the prompt encoder's character cap (a 400 beyond it), but its
   token count is not capped at `max_model_len` (vLLM's behaviour: the response reports the
@@ -32,7 +33,7 @@ from pydantic import BaseModel, Field, PlainValidator, ValidationError, model_va
 from pydantic_core import PydanticCustomError
 
 from .checks import check_model
-from .protocol import APIError, ChatMessage, StrictModel
+from .protocol import APIError, ChatMessage, ChatTemplateFields, StrictModel
 from .replies import answering_shutdown
 from .serving import Serving
 from .surrogates import refuse_unpaired_surrogates
@@ -66,17 +67,11 @@ class TokenizeCompletionRequest(_TokenizerRequest):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_TokenizerRequest):
+class TokenizeChatRequest(_TokenizerRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # on top of those the chat template writes (vLLM's default: none)
     return_token_strs: bool | None = False
     tools: list[ToolDefinition] | None = None  # rendered as a chat completion renders them (tools/render.py)
-    # vLLM takes these; this server's chat path does not support them yet, so they are refused when used.
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -109,29 +104,13 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeCompletionRequest | Tokenize
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in err.errors()]) from err
 
 
-def _check_chat(req: TokenizeChatRequest) -> None:
-    refused = {
-        "continue_final_message": req.continue_final_message,
-        "chat_template": req.chat_template is not None,
-        "chat_template_kwargs": bool(req.chat_template_kwargs),
-        "mm_processor_kwargs": bool(req.mm_processor_kwargs),
-    }
-    for param, is_used in refused.items():
-        if is_used:
-            raise APIError(f"{param} is not supported by this server's chat path yet, so /tokenize cannot honour "
-                           "it either; send the request without it", param=param, code="unsupported")  # fmt: skip
-
-
 async def tokenize(serving: Serving, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     check_model(req.model, serving.model_name)
     if isinstance(req, TokenizeChatRequest):
-        _check_chat(req)
         serving.check_chat_template()
         check_messages(req.messages)
         plan = ToolPlan(check_tool_definitions(req.tools), None)  # rendered (not parsed), as the chat completion
-        _, token_ids = await answering_shutdown(
-            serving.chat_prompt(req.messages, req.add_generation_prompt, req.add_special_tokens, plan)
-        )
+        _, token_ids = await answering_shutdown(serving.chat_prompt(req, req.messages, req.add_special_tokens, plan))
     else:
         encoded = serving.encoder.encode([req.prompt], "prompt", req.add_special_tokens)
         [token_ids] = await answering_shutdown(serving.engine.guard(encoded))

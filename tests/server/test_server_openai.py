@@ -68,6 +68,27 @@ def test_chat_stream_equals_non_stream(client: openai.OpenAI, server: Server) ->
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
 
 
+@pytest.mark.parametrize("path", ["completions", "chat"])
+def test_continuous_usage_stats_count_each_choice(client: openai.OpenAI, server: Server, path: str) -> None:
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk carries its choice's usage so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    common = dict(model=server.model, max_tokens=10, temperature=1.0, seed=3, n=2, stream=True,
+                  stream_options=options, extra_body={"ignore_eos": True})  # fmt: skip
+    if path == "chat":
+        chunks = list(client.chat.completions.create(messages=MESSAGES, **common))
+    else:
+        chunks = list(client.completions.create(prompt=PROMPT, **common))
+    assert all(c.usage is not None for c in chunks)
+    counts: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        [choice] = chunk.choices
+        counts[choice.index].append(chunk.usage.completion_tokens)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    for seen in counts.values():
+        assert seen == sorted(seen) and seen[-1] == 10  # grows with the choice's tokens, ends at max_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20  # the final one: both choices
+
+
 def test_n2_seeded(client: openai.OpenAI, server: Server) -> None:
     args = dict(model=server.model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7, n=2,
                 extra_body={"ignore_eos": True})  # fmt: skip

@@ -123,6 +123,27 @@ def test_detokenize_round_trips_and_spells_out_special_tokens(server: Server, hf
     assert ok(post(server, "/detokenize", {"tokens": [len(hf) - 1]}))["prompt"] == hf.decode([len(hf) - 1])
 
 
+def test_continue_final_message_and_template_kwargs_render_as_transformers_does(server: Server, hf: Any) -> None:
+    """vLLM's rendering extensions: the prompt ends inside the assistant's message (transformers'
+    `continue_final_message`), and `chat_template_kwargs` reach the template as variables."""
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    got = ok(post(server, "/tokenize", body))
+    text = hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("The answer is") and got["tokens"] == hf(text, add_special_tokens=False)["input_ids"]
+    completion = ok(post(server, "/v1/chat/completions", {**body, "max_tokens": 2}))
+    assert completion["usage"]["prompt_tokens"] == got["count"]
+    kwargs = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False, "custom": [1, 2]}}
+    with_kwargs = ok(post(server, "/tokenize", kwargs))
+    text = hf.apply_chat_template(
+        USER, tokenize=False, add_generation_prompt=True, enable_thinking=False, custom=[1, 2]
+    )
+    assert with_kwargs["tokens"] == hf(text, add_special_tokens=False)["input_ids"]
+    assert ok(post(server, "/v1/chat/completions", {**kwargs, "max_tokens": 1}))["usage"]["prompt_tokens"] == len(
+        with_kwargs["tokens"]
+    )
+
+
 def test_unknown_fields_are_ignored_and_nulls_are_no_value(server: Server, hf: Any) -> None:
     want = hf("hi")["input_ids"]
     assert ok(post(server, "/tokenize", {"prompt": "hi", "messages": None, "extra_field": 1}))["tokens"] == want
@@ -144,10 +165,36 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("return_token_strs-str", "/tokenize", {"prompt": "hi", "return_token_strs": "yes"}, 400, "return_token_strs"),
     ("surrogate-prompt", "/tokenize", b'{"prompt": "a\\ud800"}', 400, "prompt"),
     ("surrogate-chat", "/tokenize", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, CONTENT),
-    # What vLLM takes but the chat path does not support yet is refused, never ignored.
-    ("continue_final_message", "/tokenize", {"messages": USER, "continue_final_message": True}, 400, CONTINUE),
+    # What vLLM takes but this server cannot honour is refused, never ignored (chat_render.py).
+    (
+        "continue_final_message-and-generation-prompt",
+        "/tokenize",
+        {"messages": USER, "continue_final_message": True},
+        400,
+        CONTINUE,
+    ),
+    (
+        "continue_final_message-after-user",
+        "/tokenize",
+        {"messages": USER, "continue_final_message": True, "add_generation_prompt": False},
+        400,
+        CONTINUE,
+    ),
     ("chat_template", "/tokenize", {"messages": USER, "chat_template": "{{ messages }}"}, 400, "chat_template"),
-    ("chat_template_kwargs", "/tokenize", {"messages": USER, "chat_template_kwargs": {"x": 1}}, 400, TEMPLATE_KWARGS),
+    (
+        "chat_template_kwargs-reserved",
+        "/tokenize",
+        {"messages": USER, "chat_template_kwargs": {"messages": []}},
+        400,
+        f"{TEMPLATE_KWARGS}.messages",
+    ),
+    (
+        "mm_processor_kwargs",
+        "/tokenize",
+        {"messages": USER, "mm_processor_kwargs": {"fps": 1}},
+        400,
+        "mm_processor_kwargs",
+    ),
     ("tools-no-function", "/tokenize", {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ("tool-without-id", "/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id"),
     ("unknown-model-prompt", "/tokenize", {"model": "gpt-17", "prompt": "hi"}, 404, "model"),

@@ -22,7 +22,7 @@ import json
 
 from pydantic import BaseModel
 
-from ..protocol import AssistantMessage
+from ..protocol import AssistantMessage, Usage
 from ..sse import StreamChunks
 from .parsers import ContentDelta, Delta, ToolCallDelta, ToolParser, extract
 from .plan import ToolPlan
@@ -59,11 +59,13 @@ class ToolStream:
         logprobs: BaseModel | None = None,
         finish_reason: str | None = None,
         stop_reason: str | int | None = None,
+        usage: Usage | None = None,
     ) -> list[str]:
-        """The SSE events for choice `index`'s next piece of text (`finish_reason` set on its last piece)."""
+        """The SSE events for choice `index`'s next piece of text (`finish_reason` set on its last piece), each
+        with `usage` when given (vLLM's `continuous_usage_stats`)."""
         chunks = self._chunks
         if self._plan.parser is None:
-            return [chunks.event([chunks.chat_choice(index, text, None, logprobs, finish_reason, stop_reason)])]
+            return [chunks.event([chunks.chat_choice(index, text, None, logprobs, finish_reason, stop_reason)], usage)]
         parser = self._parsers.get(index)
         if parser is None:
             parser = self._parsers[index] = self._plan.new_parser()
@@ -81,9 +83,11 @@ class ToolStream:
             last = i == len(pieces) - 1
             args = (logprobs if i == 0 else None, finish_reason if last else None, stop_reason if last else None)
             if isinstance(piece, ToolCallDelta):
-                events.append(chunks.event([tool_call_choice(index, piece, *args)]))
+                events.append(chunks.event([tool_call_choice(index, piece, *args)], usage))
             else:
-                events.append(chunks.event([chunks.chat_choice(index, piece.text if piece else None, None, *args)]))
+                events.append(
+                    chunks.event([chunks.chat_choice(index, piece.text if piece else None, None, *args)], usage)
+                )
         return events
 
 
