@@ -16,6 +16,8 @@ acceptance rates on random models are meaningless (the note is printed and saved
 
     nice -n 19 python bench/spec_decode.py                  # writes bench/results/spec_decode_<target>.json
     nice -n 19 python bench/spec_decode.py --quick          # 1 prompt per workload, 32 tokens
+    python bench/spec_decode.py --target $TIDEPOOL_CACHE/models/SmolLM2-135M-Instruct.Q4_1-f32 \
+        --methods suffix,ngram --threads 2                  # the real model (bench/lm_eval_ppl.py makes the folder)
 """
 
 from __future__ import annotations
@@ -137,7 +139,11 @@ def main() -> int:
     models = cache_dir() / "models"
     parser.add_argument("--target", type=Path, default=models / "demo-target")
     parser.add_argument("--draft", type=Path, default=models / "demo-draft")
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (n-gram, draft)")
+    parser.add_argument("--suffix-k", type=int, default=16, help="num_speculative_tokens for suffix decoding: "
+                        "the most it proposes; how many it does adapts to the match")  # fmt: skip
+    parser.add_argument("--methods", default="none,suffix,ngram,draft",
+                        help="comma-separated: suffix, ngram, draft (none, the baseline, always runs)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=600)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -150,12 +156,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     note = None
     target, draft = args.target, args.draft
-    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+    needs_draft = "draft" in args.methods.split(",")
+    if not (target / "config.json").is_file() or (needs_draft and not (draft / "config.json").is_file()):
         target = bench_model("llama", "small")
         draft = layer_draft(target, cache_dir() / "models" / "llama-small-seed0-layer0-draft")
         note = RANDOM_NOTE
         print(f"note: demo pair not found under {models}; using {target} and its first layer as draft ({note})")
-    if note is None and "tidepool_demo" not in json.loads((target / "config.json").read_text()):
+    if note is None and needs_draft and "tidepool_demo" not in json.loads((target / "config.json").read_text()):
         note = f"not the trained demo pair; if these are {RANDOM_NOTE}"
     if note:
         print(f"note: {note}")
@@ -168,9 +175,12 @@ def main() -> int:
     work = {name: p[: 1 if args.quick else args.num_prompts] for name, p in work.items()}
     configs: dict[str, dict[str, Any] | None] = {
         "none": None,
+        "suffix": {"method": "suffix", "num_speculative_tokens": args.suffix_k},
         "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
         "draft": {"method": "draft", "draft_model": str(draft), "num_speculative_tokens": args.k},
     }
+    wanted = {"none", *args.methods.split(",")}
+    configs = {name: spec for name, spec in configs.items() if name in wanted}
     llms = {name: build(target, spec, args) for name, spec in configs.items()}
     results = run_interleaved(llms, work, args)
     base = results["none"]

@@ -23,7 +23,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
-    method: Literal["ngram", "draft"] = Field(description="'ngram' (prompt lookup) or 'draft' (a small model)")
+    method: Literal["suffix", "ngram", "draft"] = Field(
+        description="'suffix' (suffix decoding over the request and recent outputs: the model-free default), "
+        "'ngram' (prompt lookup) or 'draft' (a small model)"
+    )
     draft_model: str | None = Field(
         None,
         validation_alias=AliasChoices("draft_model", "model"),
@@ -42,8 +45,10 @@ class SpeculativeConfig(BaseModel):
     def _check(self) -> SpeculativeConfig:
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model: the path of a local draft model folder")
-        if self.method == "ngram" and self.draft_model:
-            raise ValueError("speculative method 'ngram' takes no draft_model; use method 'draft' or drop draft_model")
+        if self.method != "draft" and self.draft_model:
+            raise ValueError(
+                f"speculative method {self.method!r} takes no draft_model; use method 'draft' or drop draft_model"
+            )
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "

@@ -12,6 +12,9 @@ plain decoding would give; deterministic ones (n-gram, and any greedy request) a
 against the target's own choice, with a seeded request's own noise rows, so the emitted tokens
 are the ones plain decoding would give, whatever the batch or budget did to the proposals.
 
+Proposers: suffix decoding (suffix.py, the model-free default: the request's text and recent
+outputs, which join its cache as their requests finish), n-gram lookup (ngram.py) or a draft model.
+
 Backoff on measured acceptance, per request: after m verification steps in a row that accepted
 nothing, the request gets no proposals for min(2^m - 1, MAX_BACKOFF_STEPS) steps (a proposer that
 keeps missing, e.g. n-gram lookup on free text, then costs almost nothing); one accepted token
@@ -38,6 +41,7 @@ from .config import SpeculativeConfig, num_spec_tokens_for, speculation_pays
 from .draft import DraftProposer
 from .ngram import NgramProposer
 from .rejection_sampler import rejection_sample, verify_choices
+from .suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +63,11 @@ class Speculator(StepHook):
         self.sampler = sampler
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if draft is None else None
+        self.ngram = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if config.method == "ngram" else None
+        )
+        self.suffix = SuffixProposer() if config.method == "suffix" else None
+        self._running: dict[str, Request] = {}  # suffix decoding: each request's output joins the cache when it ends
         self.draft = draft
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._misses: dict[str, int] = {}  # consecutive verification steps that accepted nothing
@@ -113,6 +121,9 @@ class Speculator(StepHook):
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     def release(self, request_id: str) -> None:
+        request = self._running.pop(request_id, None)
+        if request is not None and self.suffix is not None:
+            self.suffix.remember(request.output_token_ids)
         self._draft_probs.pop(request_id, None)
         self._misses.pop(request_id, None)
         self._cooldown.pop(request_id, None)
@@ -122,6 +133,9 @@ class Speculator(StepHook):
     def propose(self, running: Sequence[Request]) -> dict[str, list[int]]:
         """Proposals for this step's decoding requests (request id -> tokens); empty when speculation is off."""
         self._draft_probs.clear()
+        if self.suffix is not None:
+            for request in running:
+                self._running.setdefault(request.request_id, request)
         k = self.config.num_speculative_tokens
         if not running or not speculation_pays(
             len(running), k, self.max_num_batched_tokens, self.config.disable_by_batch_size
@@ -146,10 +160,11 @@ class Speculator(StepHook):
             )
             if num_spec > 0:
                 wanted.append((request, num_spec))
-        if self.ngram is not None:
+        lookup = self.ngram or self.suffix  # the model-free proposers
+        if lookup is not None:
             proposals = {}
             for request, num_spec in wanted:
-                tokens = self.ngram.propose(request.all_token_ids, num_spec)
+                tokens = lookup.propose(request.all_token_ids, num_spec)
                 if tokens:
                     proposals[request.request_id] = tokens
             return proposals

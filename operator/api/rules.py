@@ -186,9 +186,9 @@ _CORE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         s.Speculative,
-        "self.method != 'ngram' || !has(self.draftModel)",
+        "self.method == 'draft' || !has(self.draftModel)",
         "speculative.draftModel is only used with method draft; remove it or set method: draft",
-        lambda sp: sp.method != "ngram" or sp.draft_model is None,
+        lambda sp: sp.method == "draft" or sp.draft_model is None,
         ".draftModel",
     ),
     Rule(

@@ -56,8 +56,11 @@ def serve_flag_field(name: str, **kwargs: Any) -> Any:
 class Speculative(ApiModel):
     """Speculative decoding: propose tokens cheaply, verify them in one target-model step."""
 
-    method: Literal["ngram", "draft"] = Field(
-        description="ngram: propose from n-gram matches in the prompt; draft: propose with a smaller draft model."
+    method: Literal["suffix", "ngram", "draft"] = Field(
+        description=(
+            "suffix: suffix decoding over the request and recent outputs (model-free, the usual choice); "
+            "ngram: propose from n-gram matches in the prompt; draft: propose with a smaller draft model."
+        )
     )
     draft_model: Annotated[str, StringConstraints(min_length=1, max_length=2048)] | None = Field(
         default=None, description="URI of the draft model (same schemes as model.uri); required when method is draft."

@@ -190,6 +190,12 @@ INVALID_CASES: tuple[Case, ...] = (
         "rule",
     ),
     Case(
+        "suffix-with-draft-model",
+        set_path("spec.engine.speculative", {"method": "suffix", "draftModel": "hf://org/tiny"}),
+        rule_message("speculative.draftModel is only used"),
+        "rule",
+    ),
+    Case(
         "draft-model-uri",
         set_path("spec.engine.speculative", {"method": "draft", "draftModel": "ftp://host/tiny"}),
         rule_message("speculative.draftModel must be"),

@@ -68,7 +68,7 @@ def baselines(tiny_model_dir: Path) -> dict[str, list[Any]]:
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["suffix", "ngram", "draft"])
 def test_greedy_identical(
     method: str, scenario: str, baselines: dict[str, list[Any]], tiny_model_dir: Path, tiny_draft_dir: Path
 ) -> None:
