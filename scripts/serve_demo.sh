@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The server demo: set up the environment, start `tidepool serve` on the demo model (a folder holding one .gguf
-# resolves to that file; catalogue names are pulled first), stream a chat completion to the terminal with the official openai client, print a
-# few vLLM metrics, stop the server with SIGTERM (it drains, then exits 0). TIDEPOOL_DEMO_MODEL picks the model.
+# resolves to that file; catalogue names are pulled first), stream a chat completion to the terminal with the official openai client, ask for
+# a pydantic model (structured outputs) and for a tool call, print a few vLLM metrics, stop the server with SIGTERM (it drains, then exits 0). TIDEPOOL_DEMO_MODEL picks the model.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cd "$TIDEPOOL_ROOT"
@@ -48,6 +48,33 @@ for chunk in stream:
         print(chunk.choices[0].delta.content, end="", flush=True)
     if chunk.usage:
         print(f"\n[{chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} completion tokens]")
+
+# Structured outputs: the SDK sends the pydantic model's JSON schema; the grammar makes the reply parse.
+import pydantic
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
+    landmarks: list[str] = pydantic.Field(max_length=3)
+
+
+question = "Describe Paris as JSON: its name, country and up to three landmarks."
+print(f"\n>>> {question}  (response_format=City)")
+parsed = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": question}],
+                                       response_format=City, temperature=0, max_tokens=120)
+print(repr(parsed.choices[0].message.parsed))
+
+# Tool calling: tool_choice "required" is enforced by the same grammar machinery.
+weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                          "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+question = "What is the weather like in Lisbon?"
+print(f"\n>>> {question}  (tools=[get_weather], tool_choice=required)")
+reply = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                       tools=[weather], tool_choice="required", temperature=0, max_tokens=80)
+for call in reply.choices[0].message.tool_calls or []:
+    print(f"tool call: {call.function.name}({call.function.arguments})  finish_reason={reply.choices[0].finish_reason}")
 PY
 
 echo "== a few metrics from /metrics"
