@@ -123,16 +123,20 @@ class LLMEngine:
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
-        if params.structured_outputs is not None and grammar is not None:
-            self.sampler.constrain(request, grammar, self.grammars.backend)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
+        # Constrained once queued (nothing left to raise), before anything can sample or finish it.
+        constrain = params.structured_outputs is not None and grammar is not None
         if kv_transfer is not None and self.handoff.add(request, kv_transfer):  # waits for KV room, not scheduled
             self._tracked[request_id] = tracked
+            if constrain:
+                self.sampler.constrain(request, grammar, self.grammars.backend)
             self._admit(self.handoff.admit())
             return request
         self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
+        if constrain:
+            self.sampler.constrain(request, grammar, self.grammars.backend)
         return request
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
