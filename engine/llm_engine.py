@@ -125,18 +125,15 @@ class LLMEngine:
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        # Constrained once queued (nothing left to raise), before anything can sample or finish it.
-        constrain = params.structured_outputs is not None and grammar is not None
-        if kv_transfer is not None and self.handoff.add(request, kv_transfer):  # waits for KV room, not scheduled
-            self._tracked[request_id] = tracked
-            if constrain:
-                self.sampler.constrain(request, grammar, self.grammars.backend)
-            self._admit(self.handoff.admit())
-            return request
-        self.scheduler.add_request(request)
+        held = kv_transfer is not None and self.handoff.add(request, kv_transfer)  # waits for KV room, not scheduled
+        if not held:
+            self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
-        if constrain:
+        # Constrained once queued (nothing left to raise), before anything can sample or finish it.
+        if params.structured_outputs is not None and grammar is not None:
             self.sampler.constrain(request, grammar, self.grammars.backend)
+        if held:
+            self._admit(self.handoff.admit())
         return request
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

@@ -5,6 +5,7 @@ back), preemption by recompute, chunked prefill and prefix caching."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -199,7 +200,7 @@ def test_a_compile_over_the_time_limit_is_an_error_not_a_wait() -> None:
     try:
         start = time.monotonic()
         with pytest.raises(GrammarError, match=r"longer than 0\.2 s"):
-            compiler.compile_within(StructuredOutputsParams(regex="slow"))
+            asyncio.run(compiler.compile_async(StructuredOutputsParams(regex="slow")))
         assert time.monotonic() - start < 25  # it did not wait for the compile (released below)
     finally:
         release.set()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..outputs import RequestOutput
 from ..request import check_prompt_token_ids
@@ -35,13 +34,12 @@ class Job:
     index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
     finals: dict[str, RequestOutput] = field(default_factory=dict)  # engine request id -> final output
 
-    def usage_so_far(self, choice: int | Any, req: SamplingRequest) -> Usage | None:
-        """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): the usage of one streamed choice
-        (a choice index, or a delta with `index` and `token_stop`) so far; None when not asked for."""
+    def usage_so_far(self, req: SamplingRequest, index: int, generated: int = 0) -> Usage | None:
+        """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): the usage of streamed choice
+        `index` after its first `generated` tokens; None when not asked for."""
         options = req.stream_options
         if options is None or not (options.include_usage and options.continuous_usage_stats):
             return None
-        index, generated = (choice, 0) if isinstance(choice, int) else (choice.index, choice.token_stop)
         prompt = len(self.prompts[index // self.n])
         return Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 

@@ -165,8 +165,8 @@ class Serving:
                 logprobs = self.logprobs.completion(comp, item.token_start, item.token_stop, item.text_offset,
                                                     req.logprobs, req.return_tokens_as_token_ids,
                                                     req.skip_special_tokens)  # fmt: skip
-            yield chunks.event([chunks.completion_choice(item.index, item.text, logprobs, comp.finish_reason,
-                                                         comp.stop_reason)], job.usage_so_far(item, req))  # fmt: skip
+            choice = chunks.completion_choice(item.index, item.text, logprobs, comp.finish_reason, comp.stop_reason)
+            yield chunks.event([choice], job.usage_so_far(req, item.index, item.token_stop))
         if req.stream_options is not None and req.stream_options.include_usage:
             yield chunks.event([], usage=job.usage())
         yield "data: [DONE]\n\n"
@@ -239,7 +239,7 @@ class Serving:
         chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=True)
         tool_stream = ToolStream(plan, chunks)  # without a parser: one chunk per piece, as ever
         for index in job.index_of.values():
-            yield chunks.event([chunks.chat_choice(index, "", role="assistant")], job.usage_so_far(index, req))
+            yield chunks.event([chunks.chat_choice(index, "", role="assistant")], job.usage_so_far(req, index))
         async for item in self._deltas(job, stream):
             if isinstance(item, str):
                 yield item
@@ -248,7 +248,7 @@ class Serving:
             if num_top is not None:
                 logprobs = self.logprobs.chat(comp, item.token_start, item.token_stop, num_top,
                                               req.return_tokens_as_token_ids)  # fmt: skip
-            usage = job.usage_so_far(item, req)
+            usage = job.usage_so_far(req, item.index, item.token_stop)
             for event in tool_stream.events(item.index, item.text, logprobs, comp.finish_reason, comp.stop_reason,
                                             usage):  # fmt: skip
                 yield event

@@ -66,6 +66,23 @@ class StreamChunks:
         delta = ",".join(
             f'"{name}":{_dumps(value)}' for name, value in (("role", role), ("content", content)) if value is not None
         )
+        return self._chat_choice(index, delta, logprobs, finish_reason, stop_reason)
+
+    def tool_call_choice(
+        self,
+        index: int,
+        call: dict[str, object],
+        logprobs: BaseModel | None = None,
+        finish_reason: str | None = None,
+        stop_reason: str | int | None = None,
+    ) -> str:
+        """One `ChatChunkChoice` whose delta holds one `DeltaToolCall` (`call`: its set fields, in wire order)."""
+        return self._chat_choice(index, f'"tool_calls":[{_dumps(call)}]', logprobs, finish_reason, stop_reason)
+
+    @staticmethod
+    def _chat_choice(
+        index: int, delta: str, logprobs: BaseModel | None, finish_reason: str | None, stop_reason: str | int | None
+    ) -> str:
         return (f'{{"index":{index},"delta":{{{delta}}},"logprobs":{_model(logprobs)},'
                 f'"finish_reason":{_value(finish_reason)},"stop_reason":{_value(stop_reason)}}}')  # fmt: skip
 

@@ -17,13 +17,11 @@ before anything is queued; the engine thread only ever receives compiled grammar
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import replace
 from typing import Any
 
 from ..structured_outputs import GrammarError, StructuredOutputsParams
-from ..structured_outputs.compiler import time_limit_message
 from .async_engine import AsyncEngine, Child
 from .protocol import APIError, SamplingRequest
 
@@ -117,11 +115,8 @@ async def constrain(engine: AsyncEngine, children: list[Child], req: SamplingReq
     spec, param = found
     for child in children:
         child.params = replace(child.params, structured_outputs=spec)
-    compiler = engine.grammars
     try:
-        grammar = await asyncio.wait_for(asyncio.wrap_future(compiler.submit(spec)), compiler.timeout_s)
-    except TimeoutError:
-        raise APIError(time_limit_message(spec, compiler.timeout_s), param=param) from None
+        grammar = await engine.grammars.compile_async(spec)
     except GrammarError as err:
         what = {"json": "JSON schema", "json_object": "JSON object", "choice": "choice"}.get(spec.kind, spec.kind)
         raise APIError(f"invalid {what} constraint: {err}", param=param) from None

@@ -1,7 +1,7 @@
 """Constraints compiled once, off the engine thread, with a bounded cache and a time limit.
 
-Role: the server calls `submit(spec)` (a future, run in this compiler's own small thread pool)
-and waits for it at most `timeout_s`; the compiled `Grammar` then travels with the request to
+Role: the server awaits `compile_async(spec)` (run in this compiler's own small thread pool, at
+most `timeout_s`); the compiled `Grammar` then travels with the request to
 the engine, which never compiles what the server already did. `compile(spec)` is the
 synchronous form, for the offline `LLM` and for requests that arrive without a grammar.
 
@@ -14,6 +14,7 @@ until it finishes (llguidance's own size and fuel limits bound it), and the pool
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -90,24 +91,19 @@ class GrammarCompiler:
             pool = self._pool
         return pool.submit(self.compile, spec)
 
-    def compile_within(self, spec: StructuredOutputsParams, timeout_s: float | None = None) -> Grammar:
-        """`compile(spec)` in the compiler's threads, waiting at most the time limit (GrammarError past it)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        future = self.submit(spec)
+    async def compile_async(self, spec: StructuredOutputsParams) -> Grammar:
+        """`compile(spec)` in the compiler's threads, awaited at most `timeout_s` (GrammarError past it): the
+        server's path, so an event loop never waits on a compile."""
         try:
-            return future.result(timeout=limit)
+            return await asyncio.wait_for(asyncio.wrap_future(self.submit(spec)), self.timeout_s)
         except TimeoutError:
-            raise GrammarError(time_limit_message(spec, limit)) from None
+            raise GrammarError(
+                f"compiling the {spec.kind} constraint took longer than {self.timeout_s:g} s; "
+                "simplify it (fewer alternatives, bounded repetitions)"
+            ) from None
 
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-
-
-def time_limit_message(spec: StructuredOutputsParams, limit_s: float) -> str:
-    return (
-        f"compiling the {spec.kind} constraint took longer than {limit_s:g} s; "
-        "simplify it (fewer alternatives, bounded repetitions)"
-    )

@@ -211,26 +211,28 @@ def test_every_schema_greedy_and_sampled_in_mixed_batches(server: Server) -> Non
     server.wait_pool_free(timeout=60)
 
 
+def run_subset_on_own_server(smollm: Path, log_dir: Path, flags: tuple[str, ...], metric: str, what: str) -> None:
+    """The subset on a server started with `flags`; `metric` (a counter) shows the flags took effect."""
+    server = start_server(smollm, log_dir, *flags)
+    try:
+        run_suite(server, SUBSET)
+        assert metric_total(server, metric) > 0, what
+        server.wait_pool_free(timeout=60)
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_subset_with_ngram_speculation(smollm: Path, tmp_path: Path) -> None:
-    spec = start_server(smollm, tmp_path, "--speculative-config", NGRAM)
-    try:
-        run_suite(spec, SUBSET)
-        assert metric_total(spec, metrics_names.SPEC_DECODE_NUM_DRAFT_TOKENS) > 0, "no token was ever proposed"
-        spec.wait_pool_free(timeout=60)
-    finally:
-        spec.stop()
+    flags = ("--speculative-config", NGRAM)
+    run_subset_on_own_server(smollm, tmp_path, flags, metrics_names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+                             "no token was ever proposed")  # fmt: skip
 
 
 @pytest.mark.slow
 def test_subset_after_forced_preemption(smollm: Path, tmp_path: Path) -> None:
-    small = start_server(smollm, tmp_path, *PREEMPT_FLAGS)
-    try:
-        run_suite(small, SUBSET)
-        assert metric_total(small, metrics_names.NUM_PREEMPTIONS) > 0, "the small KV cache preempted nothing"
-        small.wait_pool_free(timeout=60)
-    finally:
-        small.stop()
+    run_subset_on_own_server(smollm, tmp_path, PREEMPT_FLAGS, metrics_names.NUM_PREEMPTIONS,
+                             "the small KV cache preempted nothing")  # fmt: skip
 
 
 # --- the SDK's helpers, the vLLM extension, n > 1 ----------------------------------------------------------------

@@ -309,6 +309,7 @@ def test_other_choices_impose_no_constraint() -> None:
 
 # ---- replies ----------------------------------------------------------------------------------------
 def test_tool_chunks_are_what_pydantic_writes() -> None:
+    chunks = StreamChunks("id", 1, "m", chat=True)
     logprobs = ChatLogprobs(content=[])
     for delta, wire in [(ToolCallDelta(0, "", "call_x", "f"), DeltaToolCall(index=0, id="call_x", type="function",
                          function=DeltaFunctionCall(name="f", arguments=""))),
@@ -317,7 +318,7 @@ def test_tool_chunks_are_what_pydantic_writes() -> None:
         for args in [(None, None, None), (logprobs, "tool_calls", None), (None, "stop", 7)]:
             expected = ChatChunkChoice(index=2, delta=DeltaMessage(tool_calls=[wire]), logprobs=args[0],
                                        finish_reason=args[1], stop_reason=args[2])  # fmt: skip
-            assert tool_call_choice(2, delta, *args) == expected.model_dump_json()
+            assert tool_call_choice(chunks, 2, delta, *args) == expected.model_dump_json()
 
 
 def test_without_a_parser_replies_are_as_before() -> None:

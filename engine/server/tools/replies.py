@@ -18,16 +18,12 @@ Invariants:
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel
 
 from ..protocol import AssistantMessage, Usage
 from ..sse import StreamChunks
 from .parsers import ContentDelta, Delta, ToolCallDelta, ToolParser, extract
 from .plan import ToolPlan
-
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
 
 
 def finish_reason_of(finish_reason: str | None, made_calls: bool) -> str | None:
@@ -83,7 +79,7 @@ class ToolStream:
             last = i == len(pieces) - 1
             args = (logprobs if i == 0 else None, finish_reason if last else None, stop_reason if last else None)
             if isinstance(piece, ToolCallDelta):
-                events.append(chunks.event([tool_call_choice(index, piece, *args)], usage))
+                events.append(chunks.event([tool_call_choice(chunks, index, piece, *args)], usage))
             else:
                 events.append(
                     chunks.event([chunks.chat_choice(index, piece.text if piece else None, None, *args)], usage)
@@ -107,6 +103,7 @@ def _merged(deltas: list[Delta]) -> list[Delta]:
 
 
 def tool_call_choice(
+    chunks: StreamChunks,
     index: int,
     delta: ToolCallDelta,
     logprobs: BaseModel | None = None,
@@ -120,6 +117,4 @@ def tool_call_choice(
     call["function"] = (
         {"arguments": delta.arguments} if delta.name is None else {"name": delta.name, "arguments": delta.arguments}
     )
-    logprobs_json = "null" if logprobs is None else logprobs.model_dump_json()
-    return (f'{{"index":{index},"delta":{{"tool_calls":[{_dumps(call)}]}},"logprobs":{logprobs_json},'
-            f'"finish_reason":{_dumps(finish_reason)},"stop_reason":{_dumps(stop_reason)}}}')  # fmt: skip
+    return chunks.tool_call_choice(index, call, logprobs, finish_reason, stop_reason)
