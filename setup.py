@@ -1,14 +1,22 @@
 """Maps the repository's folders onto the `tidepool` package.
 
-`engine/`, `operator/` and `kernels/` become `tidepool.engine`, `tidepool.operator` and
-`tidepool.kernels`; `cli/` holds the top-level `tidepool` package (version and console script).
+Each folder in ROOTS becomes that subpackage (`engine/` -> `tidepool.engine`, `contract/` ->
+`tidepool.contract`, ...); `cli/` holds the top-level `tidepool` package (version and console script).
 A folder named `operator` must never be importable as a top-level name: it would shadow the
 standard library's `operator` module, hence the mapping instead of a flat layout.
 """
 
 from setuptools import find_packages, setup
 
-ROOTS = {"tidepool": "cli", "tidepool.engine": "engine", "tidepool.operator": "operator", "tidepool.kernels": "kernels"}
+ROOTS = {
+    "tidepool": "cli",
+    "tidepool.contract": "contract",
+    "tidepool.common": "common",
+    "tidepool.engine": "engine",
+    "tidepool.router": "router",
+    "tidepool.operator": "operator",
+    "tidepool.kernels": "kernels",
+}
 
 packages: list[str] = []
 package_dir: dict[str, str] = {}

@@ -11,8 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from tidepool.contract.quantization import QUANTIZATION_METHODS  # torch-free
 from tidepool.engine.gguf.pull import PullError  # torch-free: plain stdlib
-from tidepool.engine.quant.methods import QUANTIZATION_METHODS  # torch-free
 
 MODEL_HELP = "Hugging Face model folder, .gguf file (or a folder with one) or catalogue name (see `tidepool pull`)"
 
@@ -66,7 +66,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from tidepool.engine.gguf import catalogue
+    from tidepool.contract import catalogue
     from tidepool.engine.gguf.pull import pull
 
     if args.list:
@@ -85,7 +85,7 @@ def _pull(args: argparse.Namespace) -> int:
 # and is imported only when its subcommand runs (the operator's never pull in torch).
 DELEGATED: dict[str, tuple[str, str]] = {
     "serve": ("tidepool.engine.server.cli", "OpenAI-compatible HTTP server"),
-    "router": ("tidepool.engine.router.cli", "data-plane router in front of engine replicas"),
+    "router": ("tidepool.router.cli", "data-plane router in front of engine replicas"),
     "download": ("tidepool.engine.download.cli", "fetch an hf:// model into a folder (engine pods' init step)"),
     "quantize": ("tidepool.engine.quant.cli", "write an int8/int4 weight-only quantized copy of a model"),
     "crds": ("tidepool.operator.crdgen", "write the CustomResourceDefinitions generated from the API models"),

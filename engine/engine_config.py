@@ -7,7 +7,7 @@ Pydantic at the edge: unknown or out-of-range values raise `ValueError` (pydanti
 Model resolution happens here, once, for every entry point (`LLM`, `tidepool serve`, `generate`,
 worker nodes): `resolve_model_path` turns what the user wrote into the path the loaders read:
 a Hugging Face folder as is; a `.gguf` file as is; a folder holding exactly one `.gguf` (and no
-safetensors) -> that file; a catalogue name (`engine/gguf/catalogue.py`) -> its cached file,
+safetensors) -> that file; a catalogue name (`contract/catalogue.py`) -> its cached file,
 pulled first if needed. The loaders downstream only ever see folders and files.
 """
 
@@ -20,12 +20,13 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from tidepool.contract.quantization import QUANTIZATION_METHODS
+
 from .config import DTYPES, ModelConfig
-from .quant.methods import QUANTIZATION_METHODS
 from .spec_decode.config import SpeculativeConfig
 
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU (vLLM's CPU backend defaults to 4 GiB)
-# `quantization=` values (engine/quant/methods.py, torch-free, shared with the CLI flags).
+# `quantization=` values (contract/quantization.py, torch-free, shared with the CLI flags).
 Quantization = Literal[QUANTIZATION_METHODS]  # type: ignore[valid-type]
 
 
@@ -126,7 +127,8 @@ def resolve_model_path(model: str, pull: bool = True) -> str:
     several `.gguf` files or a file that is not GGUF, and `PullError` when a pull fails. With
     `pull=False` a catalogue name comes back as it is (a check before a process that pulls later).
     """
-    from .gguf import catalogue
+    from tidepool.contract import catalogue
+
     from .gguf.detect import is_gguf_file
 
     path = Path(model).expanduser()

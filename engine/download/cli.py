@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .contract import SECRET_NAME_ENV, TERMINATION_LOG, TERMINATION_LOG_ENV
+from tidepool.contract.download import SECRET_NAME_ENV, TERMINATION_LOG, TERMINATION_LOG_ENV
+
 from .files import download
 from .hub import DEFAULT_ENDPOINT, DownloadError, Hub
 

@@ -31,7 +31,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .catalogue import CatalogueEntry, cached_path, is_cached, lookup, names
+from tidepool.contract.catalogue import CatalogueEntry, cached_path, is_cached, lookup, names
 
 logger = logging.getLogger(__name__)
 

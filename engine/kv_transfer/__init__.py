@@ -4,7 +4,7 @@ Roles (`EngineConfig.kv_role`): `unified` (no transfers), `prefill` (a request c
 `ProducerParams` is prefilled, its first token sampled, and its prompt KV + first token sent to
 the decode engine at `decode_kv_addr`), `decode` (a request carrying a received `KVPayload`
 is admitted with that KV in freshly allocated blocks and continues from the first token).
-The router drives the hand-off (see `tidepool.engine.router`): it generates the transfer id,
+The router drives the hand-off (see `tidepool.router`): it generates the transfer id,
 sends the request to a prefill replica with `max_tokens=1`, then to a decode replica, whose
 response goes to the client. `KVConnector` is the interface; `tcp` the implementation today.
 """

@@ -18,9 +18,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from tidepool.contract.quantization import QUANTIZATION_METHODS
+
 from ..gguf.detect import is_gguf_file
 from .load import read_quant_spec
-from .methods import QUANTIZATION_METHODS
 from .quantize import DEFAULT_GROUP_SIZE
 
 logger = logging.getLogger(__name__)

@@ -36,8 +36,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidepool.contract.serve_flags import flag_default
+
 from ..engine_config import EngineConfig
-from ..serve_flags import flag_default
 from . import tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from .. import serve_flags
+from tidepool.contract import serve_flags
 
 logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser generated from the serve-flag table (tidepool.engine.serve_flags).
+    """The parser generated from the serve-flag table (tidepool.contract.serve_flags).
 
     Abbreviations are off: the operator refuses its own flags in `engine.extraArgs` by exact name,
     and `--max-num=8` must not slip past that as a prefix of `--max-num-seqs`.
@@ -121,8 +121,9 @@ def _run_worker_node(engine: Any, node_rank: int, host: str, port: int) -> int:
 def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
     import uvicorn
 
+    from tidepool.common.tcp_tuning import http_protocol
+
     from .app import build_app, drain
-    from .tcp_tuning import http_protocol
 
     try:
         sock = _bind(host, port)  # before anything starts: a busy port is one clear line, not a crash

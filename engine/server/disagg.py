@@ -1,6 +1,6 @@
 """The HTTP side of prefill/decode disaggregation: `kv_transfer_params` on completions and chat.
 
-The router (tidepool.engine.router) drives the hand-off; an engine started with
+The router (tidepool.router) drives the hand-off; an engine started with
 `--role prefill` or `--role decode` honours it:
 - producer (`{"role": "producer", "transfer_id", "decode_kv_addr"}`) on a prefill engine:
   the request must be non-streaming with `max_tokens=1` and one prompt; the response is sent

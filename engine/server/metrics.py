@@ -1,7 +1,7 @@
 """vLLM's Prometheus metrics for one engine, fed from the engine thread after every step.
 
 Role: turn `EngineStats` (per step) and `RequestOutput.metrics` (per request, monotonic
-timestamps taken inside the engine) into the metrics named in `tidepool.engine.metrics_names`,
+timestamps taken inside the engine) into the metrics named in `tidepool.contract.metrics_names`,
 with the meanings vLLM gives them. One private `CollectorRegistry` per server, so tests and
 several servers in one process never share counters.
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from .. import metrics_names as names
+from tidepool.contract import metrics_names as names
+
 from ..outputs import RequestOutput
 from ..stats import EngineStats
 

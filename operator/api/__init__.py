@@ -20,7 +20,7 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
   read: the validated spec's own models plus per-pool replicas, bounds and resources; `SpecError`
   for a spec that can never be reconciled. No reader keeps defaults of its own.
 - Engine settings: `EngineSpec` fields marked `ServeFlagRef` pass through as that `tidepool serve`
-  flag (`serve_flag_fields()`), with the flag table's default (tidepool.engine.serve_flags, torch-free).
+  flag (`serve_flag_fields()`), with the flag table's default (tidepool.contract.serve_flags, torch-free).
 - Quantities: `canonical_quantity` / `quantity_value` (quantity.py), the API server's canonical form.
 - Conditions: Ready, Progressing, Degraded, ScalingLimited; `status.set_condition(...)` moves
   lastTransitionTime only when the status changes.

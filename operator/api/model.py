@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from tidepool.engine.serve_flags import FLAGS
+from tidepool.contract.serve_flags import FLAGS
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.types import DnsSubdomain, PositiveQuantity, Quantity, ShortString
 

@@ -14,8 +14,8 @@ import re
 
 from pydantic import BaseModel
 
-from tidepool.engine.gguf import catalogue
-from tidepool.engine.serve_flags import managed_spellings
+from tidepool.contract import catalogue
+from tidepool.contract.serve_flags import managed_spellings
 from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
-from tidepool.engine.serve_flags import FLAGS, managed_spellings
+from tidepool.contract.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.kube import LABEL_VALUE_RE

@@ -21,8 +21,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from tidepool.engine import metrics_names as names
-from tidepool.engine.router import metrics_names as router_names
+from tidepool.contract import metrics_names as names
+from tidepool.contract import router_metrics_names as router_names
 
 MAX_GAUGES = frozenset({names.KV_CACHE_USAGE_PERC})
 HISTOGRAM_FAMILIES = (names.TIME_TO_FIRST_TOKEN_SECONDS, names.INTER_TOKEN_LATENCY_SECONDS)

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 
 from .metrics import Histogram, PodMetrics
 from .policy_types import PoolSnapshot

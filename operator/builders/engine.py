@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tidepool.engine.serve_flags import render_args
+from tidepool.contract.serve_flags import render_args
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.spec import serve_flag_fields
 from tidepool.operator.api.view import PoolView, ServiceView, SpecError

@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tidepool.engine.download.contract import SECRET_NAME_ENV
-from tidepool.engine.gguf import catalogue
+from tidepool.contract import catalogue
+from tidepool.contract.download import SECRET_NAME_ENV
 from tidepool.operator.api.model import CREDENTIAL_KEYS, DEFAULT_CACHE_SIZE_LIMIT
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.view import ServiceView, SpecError

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 from tidepool.engine.server.metrics import ITL_BUCKETS, TTFT_BUCKETS
 from tidepool.operator.autoscaler.policy_types import AutoscaleConfig, PoolBounds, PoolSnapshot, PoolState
 

@@ -10,7 +10,7 @@ from autoscale_helpers import engine_metrics_text
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 from tidepool.engine.server.metrics import ITL_BUCKETS
 from tidepool.operator.autoscaler.metrics import (
     Histogram,

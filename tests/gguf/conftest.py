@@ -35,7 +35,7 @@ def gguf_model(
 
 @pytest.fixture(scope="session")
 def real_gguf() -> Path:
-    from tidepool.engine.gguf.catalogue import lookup
+    from tidepool.contract.catalogue import lookup
     from tidepool.engine.gguf.pull import RegistryUnreachableError, pull
 
     name = "smollm2-135m-instruct"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tidepool.cli import main
+from tidepool.contract import catalogue
+from tidepool.contract.catalogue import CatalogueEntry
 from tidepool.engine.engine_config import resolve_model_path
-from tidepool.engine.gguf import catalogue
-from tidepool.engine.gguf.catalogue import CatalogueEntry
 from tidepool.engine.gguf.pull import PullError, RegistryUnreachableError, pull
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 64
@@ -135,8 +135,8 @@ def test_catalogue_and_pull_are_torch_free() -> None:
 
     code = (
         "import sys\n"
-        "import tidepool.engine.gguf.catalogue, tidepool.engine.gguf.pull, tidepool.engine.gguf.detect\n"
-        "import tidepool.engine.quant.methods\n"
+        "import tidepool.contract.catalogue, tidepool.engine.gguf.pull, tidepool.engine.gguf.detect\n"
+        "import tidepool.contract.quantization\n"
         "print(sorted({'torch', 'numpy', 'gguf'} & set(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")

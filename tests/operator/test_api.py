@@ -16,7 +16,6 @@ from tidepool.operator.api import (
     InferenceServiceStatus,
     status_patch,
 )
-from torch_free import TORCH_FREE_ENGINE_MODULES
 
 MINIMAL = {"model": {"uri": "hf://org/name"}}
 
@@ -216,13 +215,12 @@ def test_status_autoscaling_shape() -> None:
 
 
 def test_api_package_imports_without_torch() -> None:
-    """The operator image has no torch: of the engine, the API reads only its torch-free flag table."""
-    allowed = TORCH_FREE_ENGINE_MODULES
+    """The operator image has no torch: it reads the engine's tables from tidepool.contract, never the engine."""
     code = (
         "import sys; import tidepool.operator.api, tidepool.operator.crdgen, tidepool.operator.builders; "
-        "import tidepool.operator.autoscaler.config; "
-        f"bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or "
-        f"(m.startswith('tidepool.engine') and m not in {allowed!r})]; "
+        "import tidepool.operator.autoscaler.config, tidepool.operator.main; "
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or "
+        "m.startswith('tidepool.engine') or m.startswith('tidepool.router')]; "
         "sys.exit(f'imported {bad}' if bad else 0)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")

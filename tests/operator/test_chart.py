@@ -206,7 +206,7 @@ def test_values_schema_refuses_bad_values(helm: str, value: str, complaint: str)
 
 
 def test_keda_example_targets_the_scale_subresource_within_bounds() -> None:
-    from tidepool.engine.metrics_names import NUM_REQUESTS_WAITING
+    from tidepool.contract.metrics_names import NUM_REQUESTS_WAITING
 
     scaled = yaml.safe_load((REPO / "examples" / "keda-scaledobject.yaml").read_text())
     sample = yaml.safe_load((REPO / "examples" / "inferenceservice-disaggregated.yaml").read_text())

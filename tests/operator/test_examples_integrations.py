@@ -1,7 +1,7 @@
 """The integration samples (KEDA ScaledObjects, the Gateway API HTTPRoute) name things that exist.
 
 Each KEDA sample targets the disaggregated sample's scale subresource within the scaled pool's bounds,
-and every metric its PromQL names is one the engine exports (engine/metrics_names.py, the metrics
+and every metric its PromQL names is one the engine exports (contract/metrics_names.py, the metrics
 contract) or the operator exports (its prometheus_client families). The HTTPRoute's backend is the
 InferencePool the operator builds for that sample once it asks for one.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 from tidepool.operator.autoscaler import handlers
 from tidepool.operator.builders import SCALED_POOL, ClusterFeatures, ServiceView, build_children
 from tidepool.operator.builders.inference_pool import API_VERSION

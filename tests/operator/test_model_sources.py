@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from test_builders import UNIFIED, build, by_key, spec
 
+from tidepool.contract.download import SECRET_NAME_ENV
 from tidepool.engine.download.cli import build_parser as download_parser
-from tidepool.engine.download.contract import SECRET_NAME_ENV
 from tidepool.operator.api.model import CREDENTIAL_KEYS, DEFAULT_CACHE_SIZE_LIMIT
 
 CREDS = {"credentials": {"secretName": "hf-token"}}
@@ -58,7 +58,7 @@ def test_s3_init_container_gets_aws_keys_and_falls_back_to_logs():
 
 
 def test_catalogue_uri_is_pulled_into_the_cache_and_served_from_its_gguf():
-    from tidepool.engine.gguf import catalogue
+    from tidepool.contract import catalogue
 
     name = catalogue.names()[0]
     entry = catalogue.CATALOGUE[name]

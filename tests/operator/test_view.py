@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from tidepool.engine.serve_flags import FLAGS
+from tidepool.contract.serve_flags import FLAGS
 from tidepool.engine.server.cli import build_parser
 from tidepool.operator.api import (
     DEFAULT_ENGINE_IMAGE,

@@ -21,8 +21,8 @@ import httpx
 from engine_control import Controllable, launcher
 from router_fake_engine import FakeEngine, ThreadServer
 
-from tidepool.engine.router.app import build_app
-from tidepool.engine.router.cli import build_config, build_parser
+from tidepool.router.app import build_app
+from tidepool.router.cli import build_config, build_parser
 
 
 def free_port() -> int:

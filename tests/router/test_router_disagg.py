@@ -10,8 +10,8 @@ import openai
 from router_fake_engine import FakeEngine, ThreadServer, fake_tokens
 from router_helpers import Servers, metric_value
 
-from tidepool.engine.router.discovery import KubernetesConfig, KubernetesDiscovery
-from tidepool.engine.router.pool import Endpoint
+from tidepool.router.discovery import KubernetesConfig, KubernetesDiscovery
+from tidepool.router.pool import Endpoint
 
 PROMPT = "Explain prefill and decode"
 

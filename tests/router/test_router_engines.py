@@ -14,9 +14,9 @@ import openai
 import pytest
 from router_helpers import Engines, Proc, engine_counters, metric_value, replica_states, wait_for, wait_ready
 
-from tidepool.engine.router.cli import build_parser
-from tidepool.engine.router.policy import HashRing
-from tidepool.engine.router.prefix import prefix_key
+from tidepool.router.cli import build_parser
+from tidepool.router.policy import HashRing
+from tidepool.router.prefix import prefix_key
 
 pytestmark = pytest.mark.slow
 

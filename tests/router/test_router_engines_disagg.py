@@ -1,6 +1,6 @@
 """Disaggregated serving through the router: 1 prefill + 2 decode real `tidepool serve` processes (tiny model).
 
-The router runs the hand-off (see tidepool.engine.router.proxy); engine a of the shared
+The router runs the hand-off (see tidepool.router.proxy); engine a of the shared
 `engines` fixture, a unified replica, gives the reference output.
 """
 

@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from tidepool.engine.router.discovery import endpoints_from_slices, parse_static_url
-from tidepool.engine.router.policy import (
+from tidepool.router.discovery import endpoints_from_slices, parse_static_url
+from tidepool.router.policy import (
     HashRing,
     HotThresholds,
     LeastLoadPolicy,
@@ -16,8 +16,8 @@ from tidepool.engine.router.policy import (
     RoundRobinPolicy,
     make_policy,
 )
-from tidepool.engine.router.pool import Endpoint
-from tidepool.engine.router.prefix import prefix_key, prompt_text
+from tidepool.router.pool import Endpoint
+from tidepool.router.prefix import prefix_key, prompt_text
 
 IDS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 

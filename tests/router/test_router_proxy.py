@@ -15,7 +15,7 @@ import pytest
 from router_fake_engine import fake_tokens
 from router_helpers import Servers, free_port, metric_value, replica_states, wait_for
 
-from tidepool.engine.router.cli import main as router_main
+from tidepool.router.cli import main as router_main
 
 PROMPT = "The quick brown fox"
 
@@ -155,8 +155,8 @@ def test_client_disconnect_closes_the_upstream_request(servers: Servers) -> None
 def test_router_imports_no_torch() -> None:
     code = (
         "import sys\n"
-        "from tidepool.engine.router.cli import build_config, build_parser\n"
-        "from tidepool.engine.router.app import build_app\n"
+        "from tidepool.router.cli import build_config, build_parser\n"
+        "from tidepool.router.app import build_app\n"
         "build_app(build_config(build_parser().parse_args(['--unified-url', 'http://h:1'])))\n"
         "assert 'torch' not in sys.modules, 'the router imported torch'\n"
     )

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from router_fake_engine import FakeEngine, ThreadServer
 from router_helpers import Engines, Servers
 
-from tidepool.engine.router.upstream import REPLICA_HEADER
+from tidepool.router.upstream import REPLICA_HEADER
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 

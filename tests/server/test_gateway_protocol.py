@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from serve_proc import Server
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 
 PROTOCOL_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 PROTOCOL_CACHE_INFO = "vllm:cache_config_info"

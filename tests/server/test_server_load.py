@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serve_proc import Server
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 
 
 def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tidepool.engine import metrics_names as names
+from tidepool.contract import metrics_names as names
 
 SOURCE = Path(names.__file__)
 

@@ -11,7 +11,7 @@ import re
 import httpx
 from serve_proc import Server
 
-from tidepool.engine.metrics_names import STARTUP_PHASE_SECONDS
+from tidepool.contract.metrics_names import STARTUP_PHASE_SECONDS
 from tidepool.engine.startup_phases import PHASES
 
 

@@ -32,7 +32,7 @@ import pytest
 from serve_proc import MODEL_NAME, Server, start_server
 from structured_schemas import PARSE_MODELS, SCHEMAS, SUBSET, SchemaCase
 
-from tidepool.engine import metrics_names
+from tidepool.contract import metrics_names
 
 MAX_TOKENS = 300
 # Sampling as chat front-ends do; at 1.0 the 135M model writes numbers with digits without end (a bounded

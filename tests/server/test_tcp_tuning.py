@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import uvicorn
 
+from tidepool.common.tcp_tuning import _TCP_QUICKACK, http_protocol
 from tidepool.engine.server.cli import _bind
-from tidepool.engine.server.tcp_tuning import _TCP_QUICKACK, http_protocol
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -111,7 +111,7 @@ def test_every_read_is_acked_at_once(live: tuple[uvicorn.Server, int]) -> None:
 
 
 def test_router_runs_uvicorn_with_the_tuned_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tidepool.engine.router import cli as router_cli
+    from tidepool.router import cli as router_cli
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))

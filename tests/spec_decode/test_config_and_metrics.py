@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from tidepool.contract import metrics_names as names
 from tidepool.engine import LLM
-from tidepool.engine import metrics_names as names
 from tidepool.engine.server.cli import main as serve_main
 from tidepool.engine.server.metrics import SPEC_LOG_INTERVAL_S, EngineMetrics
 from tidepool.engine.spec_decode.config import SpeculativeConfig, num_spec_tokens_for, speculation_pays

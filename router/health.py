@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 import httpx
 
-from ..metrics_names import KV_CACHE_USAGE_PERC, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from tidepool.contract.metrics_names import KV_CACHE_USAGE_PERC, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+
 from .pool import Pool, Replica
 
 logger = logging.getLogger(__name__)

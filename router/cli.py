@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from ..server.tcp_tuning import http_protocol
+    from tidepool.common.tcp_tuning import http_protocol
 
     app = build_app(config)
     uvicorn.run(

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .quant.methods import QUANTIZATION_METHODS
+from .quantization import QUANTIZATION_METHODS
 
 Kind = Literal["int", "float", "str", "bool", "switch", "json"]
 
@@ -265,9 +265,9 @@ def render_args(values: Mapping[str, Any], *, managed_only: bool = False) -> lis
     for name, value in values.items():
         flag = FLAGS.get(name)
         if flag is None:
-            raise KeyError(f"--{name} is not a `tidepool serve` flag (see tidepool.engine.serve_flags)")
+            raise KeyError(f"--{name} is not a `tidepool serve` flag (see tidepool.contract.serve_flags)")
         if managed_only and not flag.managed:
-            raise ValueError(f"{flag.option} is not marked managed in tidepool.engine.serve_flags")
+            raise ValueError(f"{flag.option} is not marked managed in tidepool.contract.serve_flags")
         tokens = flag.render(value)
         if tokens:
             rendered.append(tokens)

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics_names import (
+from tidepool.contract.router_metrics_names import (
     CODE_LABEL,
     HELD_REQUESTS,
     POOL_LABEL,
@@ -25,6 +25,7 @@ from .metrics_names import (
     RETRIES,
     STATE_LABEL,
 )
+
 from .pool import Pool, ReplicaState
 
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
