@@ -126,6 +126,29 @@ def check_query_heads(q: torch.Tensor, k_cache: torch.Tensor, layout: str) -> in
     return q.shape[1] // num_kv_heads
 
 
+def check_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+    q_layout: str,
+) -> int:
+    """What the paged attention kernels check alike (cache, q against it, block tables, sequence lengths,
+    window); returns the query group size. Each launcher adds what is its own (query offsets, splits)."""
+    check_kv_cache(k_cache, v_cache)
+    group = check_query_heads(q, k_cache, q_layout)
+    check_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
+    check_int("block_tables", block_tables)
+    check_last_contiguous("block_tables", block_tables)
+    check_dim("seq_lens", seq_lens, 1, "[num_seqs]")
+    check_int("seq_lens", seq_lens)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    check_sliding_window(sliding_window)
+    return group
+
+
 def check_out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """The caller's output buffer (same shape/dtype as `like`, last dim contiguous) or a new one."""
     if out is None:
@@ -164,18 +187,6 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _num_sms_cuda(device.index if device.index is not None else torch.cuda.current_device())
     return 16
-
-
-def choose_split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> int:
-    """Split the reduction only when the output tiles leave most SMs idle (narrow N at decode batch sizes).
-
-    Splitting costs a float32 partial buffer and a reduction launch, so a grid that already covers
-    half the SMs runs unsplit; each split keeps at least 4 steps of ``block_k``.
-    """
-    sms = num_sms(device)
-    if 2 * num_tiles > sms:
-        return 1
-    return max(1, min(cdiv(sms, num_tiles), k // (4 * block_k), 32))
 
 
 def check_matmul_input(x: torch.Tensor, k: int, device: torch.device) -> None:

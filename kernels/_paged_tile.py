@@ -1,10 +1,12 @@
-"""The online-softmax step over one tile of keys read from the paged KV cache.
+"""The online softmax over keys read from the paged KV cache, shared by the decode and varlen kernels.
 
-Shared by the decode and the varlen prefill kernels. A tile is ``BLOCK_N`` consecutive key
-positions of one sequence; positions map to cache rows through the block table, so the tile
-size is independent of the cache's block size (a tile may span several blocks, or part of
-one). Scores are kept in the log2 domain (``scale`` already multiplied by log2(e)), so the
-running max ``m`` and the final log-sum-exp are log2 values too.
+``attend_keys`` is the whole key loop of a program (both kernels call it once): it folds the keys
+of one sequence and one KV head into a running ``(max, sum, output)`` for a block of query rows,
+one ``attend_tile`` at a time. A tile is ``BLOCK_N`` consecutive key positions of one sequence;
+positions map to cache rows through the block table, so the tile size is independent of the
+cache's block size (a tile may span several blocks, or part of one). Scores are kept in the log2
+domain (``scale`` already multiplied by log2(e)), so the running max ``m`` and the final
+log-sum-exp are log2 values too.
 
 A query row may see no key of a tile (causal or sliding-window masking, or the padding rows of
 the last query tile): its running max stays -inf, and the max is replaced by 0 before
@@ -72,3 +74,91 @@ def attend_tile(
     v = tl.load(V_CACHE + rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def attend_keys(
+    q,
+    query_pos,
+    K_CACHE,
+    V_CACHE,
+    block_table_row,
+    kv_head_offset,
+    key_begin,
+    full_end,
+    key_end,
+    block_size,
+    stride_cb,
+    stride_cs,
+    scale_log2,
+    dims,
+    dim_mask,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``(m, l, acc)`` of q's rows over keys ``[key_begin, key_end)``, starting from an empty state.
+
+    Tiles in ``[key_begin, full_end)`` are visible whole to every row and skip the per-row mask.
+    With ``CAUSAL``, the tiles of ``[full_end, key_end)`` follow, each row seeing the keys up to its
+    ``query_pos`` (and inside ``WINDOW``); without it ``full_end`` must equal ``key_end``.
+    """
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], dtype=tl.float32)
+    for start in range(key_begin, full_end, BLOCK_N):
+        m_i, l_i, acc = attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            K_CACHE,
+            V_CACHE,
+            block_table_row,
+            kv_head_offset,
+            start,
+            key_begin,
+            full_end,
+            query_pos,
+            block_size,
+            stride_cb,
+            stride_cs,
+            scale_log2,
+            dims,
+            dim_mask,
+            BLOCK_N,
+            False,
+            0,
+            DOT_PRECISION,
+            UPCAST,
+        )
+    if CAUSAL:
+        for start in range(full_end, key_end, BLOCK_N):
+            m_i, l_i, acc = attend_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                K_CACHE,
+                V_CACHE,
+                block_table_row,
+                kv_head_offset,
+                start,
+                key_begin,
+                key_end,
+                query_pos,
+                block_size,
+                stride_cb,
+                stride_cs,
+                scale_log2,
+                dims,
+                dim_mask,
+                BLOCK_N,
+                True,
+                WINDOW,
+                DOT_PRECISION,
+                UPCAST,
+            )
+    return m_i, l_i, acc

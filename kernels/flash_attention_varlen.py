@@ -29,9 +29,8 @@ import triton.language as tl
 from ._checks import (
     check_dim,
     check_int,
-    check_kv_cache,
-    check_last_contiguous,
-    check_query_heads,
+    check_out,
+    check_paged_attention,
     check_same_device,
     check_sliding_window,
     checked_once,
@@ -39,7 +38,7 @@ from ._checks import (
     next_power_of_2,
 )
 from ._dot import upcast_dot
-from ._paged_tile import attend_tile
+from ._paged_tile import attend_keys
 
 
 @triton.jit
@@ -112,63 +111,30 @@ def _flash_varlen_kernel(
     key_end = tl.where(is_live, key_end, 0)
     full_end = tl.where(is_live, full_end, 0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     block_table_row = BLOCK_TABLES + seq.to(tl.int64) * stride_bt
     kv_head_offset = (head // QUERY_GROUP).to(tl.int64) * stride_ch
-    for start in range(key_begin, full_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            K_CACHE,
-            V_CACHE,
-            block_table_row,
-            kv_head_offset,
-            start,
-            key_begin,
-            full_end,
-            query_pos,
-            block_size,
-            stride_cb,
-            stride_cs,
-            scale_log2,
-            dims,
-            dim_mask,
-            BLOCK_N,
-            False,
-            0,
-            DOT_PRECISION,
-            UPCAST,
-        )
-    for start in range(full_end, key_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            K_CACHE,
-            V_CACHE,
-            block_table_row,
-            kv_head_offset,
-            start,
-            key_begin,
-            key_end,
-            query_pos,
-            block_size,
-            stride_cb,
-            stride_cs,
-            scale_log2,
-            dims,
-            dim_mask,
-            BLOCK_N,
-            True,
-            WINDOW,
-            DOT_PRECISION,
-            UPCAST,
-        )
+    _, l_i, acc = attend_keys(
+        q,
+        query_pos,
+        K_CACHE,
+        V_CACHE,
+        block_table_row,
+        kv_head_offset,
+        key_begin,
+        full_end,
+        key_end,
+        block_size,
+        stride_cb,
+        stride_cs,
+        scale_log2,
+        dims,
+        dim_mask,
+        BLOCK_N,
+        True,
+        WINDOW,
+        DOT_PRECISION,
+        UPCAST,
+    )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l == 0 only on masked-out rows
     out_ptrs = OUT + token[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptrs, out.to(OUT.dtype.element_ty), mask=io_mask)
@@ -183,28 +149,18 @@ def _check(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     sliding_window: int | None,
-    out: torch.Tensor | None,
 ) -> int:
-    check_kv_cache(k_cache, v_cache)
-    group = check_query_heads(q, k_cache, "[total_q, num_heads, head_dim]")
+    group = check_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, sliding_window, "[total_q, num_heads, head_dim]"
+    )
     check_dim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
     check_int("cu_seqlens_q", cu_seqlens_q)
-    check_dim("seq_lens", seq_lens, 1, "[num_seqs]")
-    check_int("seq_lens", seq_lens)
-    check_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
-    check_int("block_tables", block_tables)
-    check_last_contiguous("block_tables", block_tables)
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q)
     if not cu_seqlens_q.shape[0] - 1 == seq_lens.shape[0] == block_tables.shape[0]:
         raise ValueError(
             f"cu_seqlens_q must have num_seqs + 1 entries for seq_lens and block_tables' num_seqs: got "
             f"{cu_seqlens_q.shape[0]}, {seq_lens.shape[0]}, {block_tables.shape[0]}"
         )
-    check_same_device(q=q, k_cache=k_cache, cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
-    check_sliding_window(sliding_window)
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype}")
-    if out is not None:
-        check_last_contiguous("out", out)
     return group
 
 
@@ -224,9 +180,8 @@ def flash_attention_varlen(
 
     Without ``out``, rows no sequence covers come back as zeros.
     """
-    group = _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window, out)
-    if out is None:
-        out = torch.zeros_like(q)
+    group = _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window)
+    out = torch.zeros_like(q) if out is None else check_out(out, q)
     total_q, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or total_q == 0:
@@ -281,9 +236,8 @@ def flash_attention_varlen_ref(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference: per sequence, gather its keys and apply the end-aligned causal (and window) mask."""
-    group = _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window, out)
-    if out is None:
-        out = torch.zeros_like(q)
+    group = _check(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, sliding_window)
+    out = torch.zeros_like(q) if out is None else check_out(out, q)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     bounds = cu_seqlens_q.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._checks import cdiv, check_matmul_input, checked_once, choose_split_k, dot_precision
+from ._checks import check_matmul_input, checked_once, dot_precision
 from ._dot import mma, upcast_dot
+from ._split_k import load_x_tile, plan_split_k, split_k_tile, store_y_tile
 from .int4_packing import check_int4_shapes, dequantize_int4, offset_args
 
 
@@ -56,23 +57,13 @@ def _int4_matmul_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    col_mask = cols < N
-    k_begin = split * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, K)
+    rows, cols, row_mask, col_mask, k_begin, k_end = split_k_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
         w_mask = k_mask[:, None] & col_mask[None, :]
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        # Masked lanes must be 0, not undefined: they enter the dot product.
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :] * stride_xk, mask=x_mask, other=0.0)
+        x = load_x_tile(X, rows, ks, row_mask, k_mask, stride_xm, stride_xk)
         packed = tl.load(QWEIGHT + (ks // 8)[:, None] * stride_qk + cols[None, :] * stride_qn, mask=w_mask, other=0)
         q = ((packed >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32)
         if TILE_IN_GROUP:
@@ -88,8 +79,7 @@ def _int4_matmul_kernel(
         else:
             w = (q - zero.to(tl.float32)) * scale.to(tl.float32)
         acc = mma(x, w.to(x.dtype), acc, DOT_PRECISION, UPCAST)
-    y_ptrs = Y + split * stride_ys + rows[:, None] * stride_ym + cols[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    store_y_tile(Y, acc, rows, cols, row_mask, col_mask, stride_ys, stride_ym, stride_yn)
 
 
 @checked_once
@@ -126,20 +116,10 @@ def int4_matmul(
     m, n = x.shape[0], qweight.shape[1]
     if m == 0 or n == 0:
         return torch.zeros((m, n), dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 64
-    block_n = 32 if m <= 16 else 64  # decode: narrower tiles, more programs streaming the weight
     block_k = _block_k(group_size)
-    if x.dtype == torch.float32:
-        block_k = min(block_k, 64)
-    num_tiles = cdiv(m, block_m) * cdiv(n, block_n)
-    num_splits = choose_split_k(num_tiles, k, block_k, x.device)
-    k_per_split = cdiv(cdiv(k, num_splits), block_k) * block_k
-    num_splits = cdiv(k, k_per_split)
-    if num_splits == 1:
-        y = torch.empty((1, m, n), dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device)
-    _int4_matmul_kernel[(cdiv(m, block_m), cdiv(n, block_n), num_splits)](
+    tiles = plan_split_k(x, n, k, min(block_k, 64) if x.dtype == torch.float32 else block_k)
+    y = tiles.y
+    _int4_matmul_kernel[tiles.grid](
         x,
         qweight,
         scales,
@@ -160,17 +140,17 @@ def int4_matmul(
         y.stride(0),
         y.stride(1),
         y.stride(2),
-        k_per_split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        TILE_IN_GROUP=group_size % block_k == 0,
+        tiles.k_per_split,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        TILE_IN_GROUP=group_size % tiles.block_k == 0,
         OFFSET_IS_MIN=is_min,
         DOT_PRECISION=dot_precision(x.dtype),
         UPCAST=upcast_dot(x.dtype),
         num_warps=4,
     )
-    return y[0] if num_splits == 1 else y.sum(dim=0).to(x.dtype)
+    return tiles.result(x.dtype)
 
 
 def int4_matmul_ref(

@@ -29,13 +29,8 @@ import triton.language as tl
 
 from ._checks import (
     cdiv,
-    check_dim,
-    check_int,
-    check_kv_cache,
-    check_last_contiguous,
     check_out,
-    check_query_heads,
-    check_same_device,
+    check_paged_attention,
     check_sliding_window,
     checked_once,
     dot_precision,
@@ -43,7 +38,8 @@ from ._checks import (
     num_sms,
 )
 from ._dot import upcast_dot
-from ._paged_tile import attend_tile
+from ._paged_tile import attend_keys
+from .flash_attention_varlen import flash_attention_varlen_ref
 
 MIN_PARTITION = 256  # keys per split below which splitting costs more than it gains
 MAX_SPLITS = 64
@@ -100,37 +96,30 @@ def _decode_kernel(
     q_mask = head_mask[:, None] & dim_mask[None, :]
     q = tl.load(Q + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     block_table_row = BLOCK_TABLES + seq * stride_bt
     kv_head_offset = kv_head.to(tl.int64) * stride_ch
-    for start in range(key_begin, key_end, BLOCK_N):
-        m_i, l_i, acc = attend_tile(
-            q,
-            m_i,
-            l_i,
-            acc,
-            K_CACHE,
-            V_CACHE,
-            block_table_row,
-            kv_head_offset,
-            start,
-            key_begin,
-            key_end,
-            heads,
-            block_size,
-            stride_cb,
-            stride_cs,
-            scale_log2,
-            dims,
-            dim_mask,
-            BLOCK_N,
-            False,
-            0,
-            DOT_PRECISION,
-            UPCAST,
-        )
+    m_i, l_i, acc = attend_keys(
+        q,
+        heads,
+        K_CACHE,
+        V_CACHE,
+        block_table_row,
+        kv_head_offset,
+        key_begin,
+        key_end,
+        key_end,
+        block_size,
+        stride_cb,
+        stride_cs,
+        scale_log2,
+        dims,
+        dim_mask,
+        BLOCK_N,
+        False,
+        0,
+        DOT_PRECISION,
+        UPCAST,
+    )
 
     if IS_SPLIT:
         # Empty partitions (past the end of a shorter sequence) store m=-inf, l=0: weight 0 in the merge.
@@ -185,20 +174,14 @@ def _check(
     sliding_window: int | None,
     num_splits: int | None,
 ) -> int:
-    check_kv_cache(k_cache, v_cache)
-    group = check_query_heads(q, k_cache, "[num_seqs, num_heads, head_dim]")
-    check_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
-    check_int("block_tables", block_tables)
-    check_last_contiguous("block_tables", block_tables)
-    check_dim("seq_lens", seq_lens, 1, "[num_seqs]")
-    check_int("seq_lens", seq_lens)
+    group = check_paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, sliding_window, "[num_seqs, num_heads, head_dim]"
+    )
     if not q.shape[0] == block_tables.shape[0] == seq_lens.shape[0]:
         raise ValueError(
             f"q, block_tables and seq_lens disagree on num_seqs: {q.shape[0]}, {block_tables.shape[0]}, "
             f"{seq_lens.shape[0]}"
         )
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
-    check_sliding_window(sliding_window)
     if num_splits is not None and num_splits < 1:
         raise ValueError(f"num_splits must be >= 1 or None (automatic), got {num_splits}")
     return group
@@ -236,19 +219,9 @@ def paged_attention_decode(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
         return out
-    max_context = max(block_tables.shape[1] * block_size, 1)
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, q.device)
-    block_n = 32 if q.dtype == torch.float32 or head_dim > 128 else 64
-    partition_size = cdiv(cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = min(num_splits, cdiv(max_context, partition_size))
+    num_splits, partition_size, block_n = _partitions(q, num_kv_heads, block_tables.shape[1] * block_size, num_splits)
     is_split = num_splits > 1
-    if is_split:
-        m_part = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        l_part = torch.empty_like(m_part)
-        acc_part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    else:
-        m_part = l_part = acc_part = out  # unused by the single-pass variant
+    m_part, l_part, acc_part = _split_parts(q, num_splits) if is_split else (out, out, out)  # unused unsplit
     block_d = max(next_power_of_2(head_dim), 16)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
@@ -302,6 +275,28 @@ def paged_attention_decode(
     return out
 
 
+def _partitions(q: torch.Tensor, num_kv_heads: int, table_keys: int, num_splits: int | None) -> tuple[int, int, int]:
+    """``(num_splits, partition_size, block_n)``: the key range cut into partitions of whole key tiles.
+
+    The block table's width (``table_keys`` keys) bounds every context; ``num_splits`` None: chosen
+    from the shapes. The count may come out lower than asked (no empty trailing partitions).
+    """
+    max_context = max(table_keys, 1)
+    if num_splits is None:
+        num_splits = choose_num_splits(q.shape[0], num_kv_heads, max_context, q.device)
+    block_n = 32 if q.dtype == torch.float32 or q.shape[2] > 128 else 64
+    partition_size = cdiv(cdiv(max_context, num_splits), block_n) * block_n
+    return min(num_splits, cdiv(max_context, partition_size)), partition_size, block_n
+
+
+def _split_parts(q: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 partial max, sum and unnormalised output of every (sequence, head, split)."""
+    num_seqs, num_heads, head_dim = q.shape
+    m_part = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    acc_part = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    return m_part, torch.empty_like(m_part), acc_part
+
+
 def paged_attention_decode_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -314,16 +309,9 @@ def paged_attention_decode_ref(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: gather each sequence's keys from its blocks, softmax in float32 (splits are moot)."""
-    group = _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, num_splits)
-    out = check_out(out, q)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    for seq, seq_len in enumerate(seq_lens.tolist()):
-        begin = max(0, seq_len - sliding_window) if sliding_window else 0
-        blocks = block_tables[seq, : cdiv(seq_len, block_size)].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[begin:seq_len].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[begin:seq_len].float()
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        probs = (torch.einsum("hd,nhd->hn", q[seq].float(), keys) * scale).softmax(dim=-1)
-        out[seq] = torch.einsum("hn,nhd->hd", probs, values).to(out.dtype)
-    return out
+    """Torch reference: the varlen reference with one query per sequence (splits are moot)."""
+    _check(q, k_cache, v_cache, block_tables, seq_lens, sliding_window, num_splits)
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return flash_attention_varlen_ref(
+        q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, sliding_window=sliding_window, out=out
+    )

@@ -29,6 +29,7 @@ runtime linked. Invariants:
 - Prefetch level (vec.h's `prefetch_line`, for the weight streams and the attention's KV rows): L2.
   `TIDEPOOL_CPU_PREFETCH_CACHE=l1` prefetches into L1 as well (a -D flag, as above); the library
   reports it (`tp_prefetch_locality`: 2 for L2, 3 for L1).
+- Every library reports whether it runs OpenMP (`tp_has_openmp`); `open_library` opens one for its binding.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class BuiltLibrary:
         """The cache level the library's software prefetches fill: "l2" or "l1"."""
         locality = self._reported("tp_prefetch_locality")
         return next(name for name, value in PREFETCH_LOCALITIES.items() if value == locality)
+
+
+def open_library(path: Path, *int_functions: str) -> ctypes.CDLL:
+    """A built library opened with ctypes, `int_functions` and vec.h's `tp_has_openmp` declared to return a C int."""
+    lib = ctypes.CDLL(str(path))
+    for name in ("tp_has_openmp", *int_functions):
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
 
 
 def cache_root() -> Path:

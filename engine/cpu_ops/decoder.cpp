@@ -305,8 +305,6 @@ int validate_decoder(const Dec& d) {
 }  // namespace
 }  // namespace tidepool
 
-#define TP_EXPORT __attribute__((visibility("default")))
-
 extern "C" {
 
 // Bumped whenever TpDecoderArgs, TpDecoderLayer or the meaning of a field changes; the loader checks it.
@@ -316,17 +314,7 @@ TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
 TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // a bound on the arguments
 
 // As tp_gemv_set_panel_min_inputs, for this library's projections (benchmarks only).
-TP_EXPORT int64_t tp_decoder_set_panel_min_inputs(int64_t n) {
-  return tidepool::panel_min_inputs().exchange(n < 1 ? 1 : n);
-}
-
-TP_EXPORT int tp_decoder_has_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
+TP_EXPORT int64_t tp_decoder_set_panel_min_inputs(int64_t n) { return tidepool::set_panel_min_inputs(n); }
 
 // Returns 0, or an error code (plan.h's Error, BAD_BATCH, BAD_SLOT) with nothing written.
 TP_EXPORT int tp_decode_step_f32(const TpDecoderArgs* args) {

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .build import open_library
 from .gemv import MAX_ROWS
 from .int4_gemv import TILE, Int4Struct, Int4Tiles
 from .paged_attention import _check_views
@@ -162,10 +163,8 @@ class CpuDecoder:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
         names = ("tp_decoder_abi_version", "tp_decoder_args_size", "tp_decoder_layer_size", "tp_decoder_max_batch")
-        for name in (*names, "tp_decoder_has_openmp", "tp_decode_step_f32"):
-            getattr(lib, name).restype = ctypes.c_int
+        lib = open_library(path, *names, "tp_decode_step_f32")
         if (
             lib.tp_decoder_abi_version() != ABI_VERSION
             or lib.tp_decoder_args_size() != ctypes.sizeof(_Args)
@@ -175,7 +174,7 @@ class CpuDecoder:
         lib.tp_decode_step_f32.argtypes = [ctypes.POINTER(_Args)]
         self._fn = lib.tp_decode_step_f32
         self.max_batch = min(MAX_ROWS, int(lib.tp_decoder_max_batch()))  # the layer-by-layer path's GEMV limit
-        self.has_openmp = bool(lib.tp_decoder_has_openmp())
+        self.has_openmp = bool(lib.tp_has_openmp())
         lib.tp_decoder_set_panel_min_inputs.restype = ctypes.c_int64
         lib.tp_decoder_set_panel_min_inputs.argtypes = (ctypes.c_int64,)
         self._lib = lib

@@ -17,19 +17,9 @@
 
 #include "fused.h"
 
-#define TP_EXPORT __attribute__((visibility("default")))
-
 extern "C" {
 
 TP_EXPORT int tp_fused_abi_version() { return 1; }
-
-TP_EXPORT int tp_fused_has_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 // x, residual (may be null), out, res_out: [rows, n] with row strides ldx / ldr / ldo / ldro; weight: [n].
 TP_EXPORT int tp_add_rms_norm_f32(const float* x, const float* residual, const float* weight, float* out,

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .build import open_library
+
 ABI_VERSION = 1
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _F32 = torch.float32
@@ -49,12 +51,10 @@ class CpuFused:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        for name in ("tp_fused_abi_version", "tp_fused_has_openmp"):
-            getattr(lib, name).restype = ctypes.c_int
+        lib = open_library(path, "tp_fused_abi_version")
         if lib.tp_fused_abi_version() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI mismatch with {__name__} (stale build?)")
-        self.has_openmp = bool(lib.tp_fused_has_openmp())
+        self.has_openmp = bool(lib.tp_has_openmp())
         signatures = {
             "tp_add_rms_norm_f32": (_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _i32),
             "tp_silu_mul_f32": (_ptr, _ptr, _i64, _i64, _i64, _i64, _i32),

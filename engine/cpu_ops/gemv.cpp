@@ -47,8 +47,6 @@ bool args_ok(int64_t batch, int64_t rows, int64_t in, int64_t ldx, int64_t ldy) 
 }  // namespace
 }  // namespace tidepool
 
-#define TP_EXPORT __attribute__((visibility("default")))
-
 extern "C" {
 
 TP_EXPORT int tp_gemv_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // input rows one call takes
@@ -57,17 +55,7 @@ TP_EXPORT int64_t tp_gemv_panel_min_inputs() { return tidepool::PANEL_MIN_INPUTS
 
 // Sets the fewest inputs that take the packed-panel kernel (panel.h) and returns the previous value: for
 // benchmarks comparing it with the row kernel in one process (a value above tp_gemv_max_batch: never).
-TP_EXPORT int64_t tp_gemv_set_panel_min_inputs(int64_t n) {
-  return tidepool::panel_min_inputs().exchange(n < 1 ? 1 : n);
-}
-
-TP_EXPORT int tp_gemv_has_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
+TP_EXPORT int64_t tp_gemv_set_panel_min_inputs(int64_t n) { return tidepool::set_panel_min_inputs(n); }
 
 // w: [rows, in] row-major; x: [batch, in] with row stride ldx; y: [batch, rows] with row stride ldy.
 // Returns 0, or -1 for arguments it does not take (the caller checks them first; this is a backstop).

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .build import open_library
+
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
 # Input rows a call takes. Above 8 the row kernel runs the inputs in groups of 8 over each block of weight
@@ -38,12 +40,8 @@ class CpuGemv:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        lib.tp_gemv_max_batch.restype = ctypes.c_int
-        lib.tp_gemv_has_openmp.restype = ctypes.c_int
-        lib.tp_gemv_f32.restype = ctypes.c_int
+        lib = open_library(path, "tp_gemv_max_batch", "tp_gemv_f32", "tp_gemv_i8")
         lib.tp_gemv_f32.argtypes = (_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
-        lib.tp_gemv_i8.restype = ctypes.c_int
         lib.tp_gemv_i8.argtypes = (_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i32)
         lib.tp_gemv_set_panel_min_inputs.restype = _i64
         lib.tp_gemv_set_panel_min_inputs.argtypes = (_i64,)
@@ -53,7 +51,7 @@ class CpuGemv:
         lib.tp_gemv_panel_min_inputs.restype = _i64
         self.panel_min_inputs = int(lib.tp_gemv_panel_min_inputs())  # inputs from which the panel kernel runs
         self.max_batch = min(MAX_ROWS, int(lib.tp_gemv_max_batch()))
-        self.has_openmp = bool(lib.tp_gemv_has_openmp())
+        self.has_openmp = bool(lib.tp_has_openmp())
 
     def set_panel_min_inputs(self, n: int) -> int:
         """Benchmarks only: the fewest inputs that take the packed-panel kernel (a value above `max_batch`:

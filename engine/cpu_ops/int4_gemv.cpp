@@ -13,17 +13,7 @@
 #include <omp.h>
 #endif
 
-#define TP_EXPORT __attribute__((visibility("default")))
-
 extern "C" {
-
-TP_EXPORT int tp_int4_has_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 TP_EXPORT int tp_int4_tile() { return tidepool::TILE; }
 

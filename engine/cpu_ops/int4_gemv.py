@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ...kernels.int4_packing import check_int4_shapes, offset_args
+from .build import open_library
 
 _ptr, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the C side's scale_dtype codes
@@ -82,16 +83,12 @@ class CpuInt4Gemv:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        lib.tp_int4_has_openmp.restype = ctypes.c_int
-        lib.tp_int4_has_float16.restype = ctypes.c_int
-        lib.tp_int4_tile.restype = ctypes.c_int
-        lib.tp_int4_gemv.restype = ctypes.c_int
+        lib = open_library(path, "tp_int4_has_float16", "tp_int4_tile", "tp_int4_gemv")
         lib.tp_int4_gemv.argtypes = (_ptr, _i64, ctypes.POINTER(Int4Struct), _ptr, _i64, _i64, _i64, _i64, _i32)
         if int(lib.tp_int4_tile()) != TILE:
             raise RuntimeError(f"{path}: the library's tile width is {int(lib.tp_int4_tile())}, this binding's {TILE}")
         self._fn = lib.tp_int4_gemv
-        self.has_openmp = bool(lib.tp_int4_has_openmp())
+        self.has_openmp = bool(lib.tp_has_openmp())
         self.has_float16 = bool(lib.tp_int4_has_float16())  # float16 scales need the compiler's _Float16
 
     def takes_scales(self, dtype: torch.dtype) -> bool:

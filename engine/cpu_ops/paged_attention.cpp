@@ -44,23 +44,12 @@ void run(const Args& a, const Plan& p, float* parts) {
 }  // namespace
 }  // namespace tidepool
 
-// The build hides every symbol (-fvisibility=hidden: helpers inline, no PLT calls); these are the exports.
-#define TP_EXPORT __attribute__((visibility("default")))
-
 extern "C" {
 
 // Bumped whenever TpAttentionArgs or the meaning of a field changes; the loader checks it.
 TP_EXPORT int tp_abi_version() { return 1; }
 
 TP_EXPORT int tp_args_size() { return int(sizeof(TpAttentionArgs)); }
-
-TP_EXPORT int tp_has_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
 
 TP_EXPORT int tp_supports_dtype(int32_t dtype) {
   return dtype == 0 || dtype == 1 || (dtype == 2 && TIDEPOOL_HAS_F16);

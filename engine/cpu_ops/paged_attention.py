@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from .build import open_library
+
 ABI_VERSION = 1
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {
@@ -73,9 +75,7 @@ class CpuPagedAttention:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        lib = ctypes.CDLL(str(path))
-        for name in ("tp_abi_version", "tp_args_size", "tp_has_openmp", "tp_supports_dtype", "tp_paged_attention"):
-            getattr(lib, name).restype = ctypes.c_int
+        lib = open_library(path, "tp_abi_version", "tp_args_size", "tp_supports_dtype", "tp_paged_attention")
         if lib.tp_abi_version() != ABI_VERSION or lib.tp_args_size() != ctypes.sizeof(_Args):
             raise RuntimeError(f"{path}: ABI mismatch with {__name__} (stale build?)")
         lib.tp_supports_dtype.argtypes = [ctypes.c_int32]

@@ -50,6 +50,9 @@ inline std::atomic<int64_t>& panel_min_inputs() {
   static std::atomic<int64_t> value{PANEL_MIN_INPUTS};
   return value;
 }
+
+// Moves the threshold (at least 1 input) and returns the previous one: both libraries' exports.
+inline int64_t set_panel_min_inputs(int64_t n) { return panel_min_inputs().exchange(n < 1 ? 1 : n); }
 // One butterfly stage of a W x W transpose: rows i and i + D (i & D == 0) swap their off-diagonal
 // D x D blocks. Lane c of the new row i is a[c] where c & D == 0, else b[c - D]; of row i + D,
 // a[c + D] where c & D == 0, else b[c].

@@ -254,8 +254,19 @@ inline f16 from_float<f16>(float x) {
 
 }  // namespace tidepool
 
+// The build hides every symbol (-fvisibility=hidden: helpers inline, no PLT calls); TP_EXPORT marks the exports.
+#define TP_EXPORT __attribute__((visibility("default")))
+
 // The vector width, prefetch distance and prefetch level this library was built with (logged by cpu_ops, checked by the
-// tests that build several). Each library is one translation unit, so these definitions are the only ones.
-extern "C" __attribute__((visibility("default"))) int tp_vector_width() { return tidepool::W; }
-extern "C" __attribute__((visibility("default"))) int tp_prefetch_bytes() { return tidepool::PREFETCH_BYTES; }
-extern "C" __attribute__((visibility("default"))) int tp_prefetch_locality() { return tidepool::PREFETCH_LOCALITY; }
+// tests that build several), and whether it runs OpenMP (the build links torch's runtime where torch has one). Each
+// library is one translation unit, so these definitions are the only ones.
+extern "C" TP_EXPORT int tp_vector_width() { return tidepool::W; }
+extern "C" TP_EXPORT int tp_prefetch_bytes() { return tidepool::PREFETCH_BYTES; }
+extern "C" TP_EXPORT int tp_prefetch_locality() { return tidepool::PREFETCH_LOCALITY; }
+extern "C" TP_EXPORT int tp_has_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -19,11 +19,12 @@ import torch
 _KERNEL_MODULES = (
     "_dot",
     "_paged_tile",
+    "_split_k",
     "store_kv",
     "rms_norm",
     "rotary",
-    "paged_attention_decode",
     "flash_attention_varlen",
+    "paged_attention_decode",
     "int8_matmul",
     "int4_matmul",
 )
