@@ -2,9 +2,10 @@
 
 Informers (cache.py) keep every InferenceService and every labelled child and pod in memory and
 call `_on_change(namespace, service, full)` on each change, which queues the service's key. Workers take
-keys from the queue (one worker per key at a time; triggers coalesce) and run `sync(key)`, the
-per-key reconcile (sync.py). Around them: the resync loop (every key gets a full reconcile every
-`resync_seconds`, jittered: the safety net for anything a watch could miss), the feature loop
+keys from the queue (one worker per key at a time; triggers coalesce) and run `sync(key)` of the
+`ServiceSync` the controller holds (sync.py: the per-key reconcile and the per-key state; composed,
+not inherited). Around them: the resync loop (every key gets a full reconcile every `resync_seconds`,
+jittered: the safety net for anything a watch could miss), the feature loop
 (optional CRDs appearing or going: informers started or stopped, every key reconciled in full),
 and one stats line a minute.
 
@@ -24,7 +25,8 @@ from collections.abc import Callable, Iterator
 import aiohttp
 
 from tidepool.operator.autoscaler.handlers import Autoscaler
-from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Store
+from tidepool.operator.cache import CHILD_SELECTOR, SERVICE_KIND, Informer, Key, Store
+from tidepool.operator.events import EventRecorder
 from tidepool.operator.features import detect_features, watched_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.metrics import (
@@ -37,14 +39,16 @@ from tidepool.operator.metrics import (
     RECONCILE_TOTAL,
     SERVICE_CONDITIONS,
 )
-from tidepool.operator.sync import ControllerOptions, Key, ServiceSync
+from tidepool.operator.sync import ControllerOptions, ServiceSync
 from tidepool.operator.workqueue import WorkQueue
 
 __all__ = ["Controller", "ControllerOptions"]
 logger = logging.getLogger("tidepool.operator")
 
 
-class Controller(ServiceSync):
+class Controller:
+    """Informers, the work queue and the workers around one `ServiceSync` (`services`)."""
+
     def __init__(
         self,
         client: KubeClient,
@@ -52,9 +56,12 @@ class Controller(ServiceSync):
         namespaces: list[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.client, self.options, self._clock = client, options, clock
+        self.store = Store(self._on_change)
         # Keys reconciled before go first: their triggers finish work in progress (see workqueue.py).
-        queue = WorkQueue(clock=clock, is_known=lambda key: key in self.verified)
-        super().__init__(client, options, Store(self._on_change), queue, clock)
+        self.queue = WorkQueue(clock=clock, is_known=lambda key: self.services.is_known(key))
+        self.events = EventRecorder(client)
+        self.services = ServiceSync(client, options, self.store, self.queue, self.events, clock)
         self.namespaces: list[str | None] = list(namespaces) if namespaces else [None]
         self.informers: dict[tuple[str, str | None], Informer] = {}
         self._tasks: list[asyncio.Task] = []
@@ -103,10 +110,10 @@ class Controller(ServiceSync):
 
     async def start(self, autoscaler: Autoscaler | None) -> None:
         """Fill the caches (waits for every initial list), then start workers and timers."""
-        self.autoscaler = autoscaler
-        self.features = await detect_features(self.client, self.options.features)
+        self.services.autoscaler = autoscaler
+        self.services.features = await detect_features(self.client, self.options.features)
         t0 = time.monotonic()
-        informers = [i for kind in watched_kinds(self.features) for i in self._start_informer(kind)]
+        informers = [i for kind in watched_kinds(self.services.features) for i in self._start_informer(kind)]
         await asyncio.gather(*(i.synced.wait() for i in informers))
         self.is_synced = True
         logger.info(
@@ -140,20 +147,21 @@ class Controller(ServiceSync):
         """Discovery again every feature_recheck_seconds, or at once when an optional kind's apply failed."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.recheck_features.wait(), self.options.feature_recheck_seconds)
-            self.recheck_features.clear()
+                await asyncio.wait_for(self.services.recheck_features.wait(), self.options.feature_recheck_seconds)
+            self.services.recheck_features.clear()
             try:
                 features = await detect_features(self.client, self.options.features)
             except (ApiError, aiohttp.ClientError, TimeoutError) as exc:
                 logger.warning("feature discovery failed: %r", exc)
                 continue
-            if features == self.features:
+            old = self.services.features
+            if features == old:
                 continue
-            logger.info("cluster features changed: %s -> %s", self.features, features)
-            await self._stop_informers(set(watched_kinds(self.features)) - set(watched_kinds(features)))
+            logger.info("cluster features changed: %s -> %s", old, features)
+            await self._stop_informers(set(watched_kinds(old)) - set(watched_kinds(features)))
             started = [i for kind in watched_kinds(features) for i in self._start_informer(kind)]
             await asyncio.gather(*(i.synced.wait() for i in started))
-            self.features = features
+            self.services.features = features
             for key in self.store.service_keys():
                 self.queue.add(key, full=True)
 
@@ -161,11 +169,8 @@ class Controller(ServiceSync):
         """The safety net: every key gets a full reconcile every resync_seconds (+-10%, spread out)."""
         while True:
             await asyncio.sleep(5.0)
-            now = time.monotonic()
-            for key, due in list(self.resync_due.items()):
-                if due <= now:
-                    del self.resync_due[key]
-                    self.queue.add(key, full=True)
+            for key in self.services.due_for_resync(time.monotonic()):
+                self.queue.add(key, full=True)
 
     async def _stats_loop(self, every_s: float = 60.0) -> None:
         """One INFO line a minute while there is work: what the controller did and what it cost."""
@@ -173,7 +178,7 @@ class Controller(ServiceSync):
         last = (0, 0, 0)
         while True:
             await asyncio.sleep(every_s)
-            now = (self.num_syncs, self.num_full, client.num_requests)
+            now = (self.services.num_syncs, self.services.num_full, client.num_requests)
             if now == last:
                 continue
             verbs = ", ".join(
@@ -200,7 +205,7 @@ class Controller(ServiceSync):
         """One reconcile of `key`, counted and timed; on an error the key comes back after its backoff."""
         started, result = self._clock(), "error"
         try:
-            await self.sync(key, full)
+            await self.services.sync(key, full)
             self.queue.forget(key)
             result = "success"
         except asyncio.CancelledError:

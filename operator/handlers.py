@@ -38,20 +38,24 @@ from tidepool.operator.metrics import LEADER
 logger = logging.getLogger("tidepool.operator")
 
 
+_CONTROLLER = ControllerOptions()  # the controller's and the cluster's defaults, not restated here
+_CLUSTER = ClusterFeatures()
+
+
 @dataclass(slots=True)
 class OperatorOptions:
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
-    resync_seconds: float = 600.0
-    feature_recheck_seconds: float = 300.0  # optional CRDs are looked up again this often
-    workers: int = 16
+    resync_seconds: float = _CONTROLLER.resync_seconds
+    feature_recheck_seconds: float = _CONTROLLER.feature_recheck_seconds  # optional CRDs are looked up again
+    workers: int = _CONTROLLER.workers
     kube_api_qps: float = 200.0
     kube_api_burst: int = 400
     lease: LeaseConfig | None = None  # None: no leader election (a single replica)
-    gpus_per_node: int = 8
+    gpus_per_node: int = _CLUSTER.gpus_per_node
     engine_image: str | None = None  # None: DEFAULT_ENGINE_IMAGE
     router_image: str | None = None
     hf_download_image: str | None = None
-    s3_download_image: str = "amazon/aws-cli:2.22.35"
+    s3_download_image: str = _CLUSTER.s3_download_image
     metrics_port: int = 9090  # 0: no metrics endpoint
 
 
@@ -83,6 +87,67 @@ async def lead_and_run(state: OperatorState, autoscaler: Autoscaler) -> None:
     os._exit(1)
 
 
+async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
+    """The client, the controller (not started yet), the autoscaler and the elector; leading and running
+    happen in a task (`lead_and_run`), so a stand-by stays alive and healthy while it waits."""
+    if options.metrics_port:
+        start_http_server(options.metrics_port)
+    client = KubeClient(creds, max_connections=64, qps=options.kube_api_qps, burst=options.kube_api_burst)
+    await client.open()
+    features = ClusterFeatures(
+        gpus_per_node=options.gpus_per_node,
+        engine_image=options.engine_image or DEFAULT_ENGINE_IMAGE,
+        router_image=options.router_image,
+        hf_download_image=options.hf_download_image,
+        s3_download_image=options.s3_download_image,
+    )
+    controller_options = ControllerOptions(
+        resync_seconds=options.resync_seconds,
+        workers=options.workers,
+        features=features,
+        feature_recheck_seconds=options.feature_recheck_seconds,
+    )
+    controller = Controller(client, controller_options, options.namespaces)
+    http = httpx.AsyncClient()
+    pods_in = controller.store.pods_in
+    autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
+    elector = LeaderElector(client, options.lease) if options.lease else None
+    if elector is not None:
+        LEADER.labels(elector.config.name).set_function(lambda: float(elector.is_leader))
+    state = OperatorState(client, controller, elector, http)
+    state.task = asyncio.create_task(lead_and_run(state, autoscaler), name="lead-and-run")
+    return state
+
+
+async def stop(state: OperatorState) -> None:
+    """Stop the workers, release the Lease (a stand-by takes over at its next poll), close the clients."""
+    if state.task is not None:
+        state.task.cancel()
+        await asyncio.gather(state.task, return_exceptions=True)
+    await state.controller.stop()
+    if state.elector is not None:
+        await state.elector.release()
+    await state.http.aclose()
+    await state.client.close()
+
+
+def health(state: OperatorState) -> dict[str, Any]:
+    """The liveness probe's report; raises when the controller or one of its tasks died."""
+    if state.task is not None and state.task.done() and not state.task.cancelled() and state.task.exception():
+        raise RuntimeError(f"the controller stopped: {state.task.exception()!r}")
+    failed = state.controller.failed_task()
+    if failed:
+        raise RuntimeError(f"a controller task died: {failed}")
+    queue = state.controller.queue
+    return {
+        "role": state.role,
+        "synced": state.controller.is_synced,
+        "cache": state.controller.store.count(),
+        "queue": {"ready": len(queue), "processing": queue.num_processing, "delayed": queue.num_delayed},
+        "api_requests": state.client.num_requests,
+    }
+
+
 def register(registry: kopf.OperatorRegistry, creds: Credentials, options: OperatorOptions) -> None:
     """Register the process-level handlers on `registry` (no decorators at import time)."""
 
@@ -103,69 +168,18 @@ def register(registry: kopf.OperatorRegistry, creds: Credentials, options: Opera
     async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.scanning.disabled = True  # no CRD/namespace watching: needs no cluster-wide read access
         settings.posting.enabled = False  # Events come from the controller, for transitions only
-        if options.metrics_port:
-            start_http_server(options.metrics_port)
-        client = KubeClient(creds, max_connections=64, qps=options.kube_api_qps, burst=options.kube_api_burst)
-        await client.open()
-        features = ClusterFeatures(
-            gpus_per_node=options.gpus_per_node,
-            engine_image=options.engine_image or DEFAULT_ENGINE_IMAGE,
-            router_image=options.router_image,
-            hf_download_image=options.hf_download_image,
-            s3_download_image=options.s3_download_image,
-        )
-        controller = Controller(
-            client,
-            ControllerOptions(
-                resync_seconds=options.resync_seconds,
-                workers=options.workers,
-                features=features,
-                feature_recheck_seconds=options.feature_recheck_seconds,
-            ),
-            options.namespaces,
-        )
-        http = httpx.AsyncClient()
-        pods_in = controller.store.pods_in
-        autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
-        elector = LeaderElector(client, options.lease) if options.lease else None
-        if elector is not None:
-            LEADER.labels(elector.config.name).set_function(lambda: float(elector.is_leader))
-        state = OperatorState(client, controller, elector, http)
-        state.task = asyncio.create_task(lead_and_run(state, autoscaler), name="lead-and-run")
-        memo.tidepool = state
+        memo.tidepool = await start(creds, options)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         state: OperatorState | None = getattr(memo, "tidepool", None)
-        if state is None:
-            return
-        if state.task is not None:
-            state.task.cancel()
-            await asyncio.gather(state.task, return_exceptions=True)
-        await state.controller.stop()
-        if state.elector is not None:
-            await state.elector.release()
-        await state.http.aclose()
-        await state.client.close()
+        if state is not None:
+            await stop(state)
 
     @kopf.on.probe(registry=registry, id="controller")
     def probe(memo: kopf.Memo, **_: Any) -> dict[str, Any]:
         state: OperatorState | None = getattr(memo, "tidepool", None)
-        if state is None:
-            return {"role": "starting"}
-        if state.task is not None and state.task.done() and not state.task.cancelled() and state.task.exception():
-            raise RuntimeError(f"the controller stopped: {state.task.exception()!r}")
-        failed = state.controller.failed_task()
-        if failed:
-            raise RuntimeError(f"a controller task died: {failed}")
-        queue = state.controller.queue
-        return {
-            "role": state.role,
-            "synced": state.controller.is_synced,
-            "cache": state.controller.store.count(),
-            "queue": {"ready": len(queue), "processing": queue.num_processing, "delayed": queue.num_delayed},
-            "api_requests": state.client.num_requests,
-        }
+        return {"role": "starting"} if state is None else health(state)
 
 
 def identity() -> str:

@@ -1,10 +1,7 @@
-"""Status of an InferenceService, computed from its workloads and pods as the caches hold them. Pure.
+"""Status of an InferenceService, from the observations of its pools (observe.py). Pure.
 
-`PoolLayout` is what the builders planned for a pool (or the router): its workloads, replicas, the
-minimum that must serve, the current template hash. `observe_pool()` counts replicas from the pods
-(a multi-node replica is ready when all its pods are) and checks the workloads carry the current
-template; `build_status()` turns the observations into `InferenceServiceStatus` with the four
-Deployment-shaped conditions. `now` is passed in (no clock here).
+`build_status()` turns the observations into `InferenceServiceStatus` with the four Deployment-shaped
+conditions, each decided by its own function below. `now` is passed in (no clock here).
 
 Conditions (what `kubectl wait` and Argo CD read):
 - Ready=True (observedGeneration G) exactly when every pool and the router have at least their
@@ -25,72 +22,15 @@ lastTransitionTime moves only when its status does.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from tidepool.operator.api import InferenceServiceStatus, PoolStatus
-from tidepool.operator.builders import LABEL_SPEC_HASH
-from tidepool.operator.cache import PodInfo
+from tidepool.operator.api import Condition, InferenceServiceStatus, PoolStatus
+from tidepool.operator.observe import PodProblem, PoolObservation
 from tidepool.operator.pod_problems import DOWNLOAD_FAILED
 
-
-@dataclass(frozen=True, slots=True)
-class PoolLayout:
-    """The plan for one pool (or the router), read from the desired manifests."""
-
-    name: str
-    desired: int  # replicas the operator drives towards
-    floor: int  # replicas that must be ready on the current template for the pool to serve
-    spec_hash: str  # the pod template hash of the current spec ("" when no workload is planned)
-    workloads: tuple[tuple[str, str], ...]  # (kind, name) of its workload objects
-    pods_per_replica: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class PoolObservation:
-    """What one pool's pods and workloads show."""
-
-    name: str
-    desired: int
-    floor: int = 1
-    replicas: int = 0  # replicas with at least one live pod (any template)
-    ready: int = 0  # replicas whose every pod is ready (any template)
-    updated: int = 0  # replicas whose pods all run the current template
-    updated_ready: int = 0  # ... and are ready
-    applied: bool = True  # every workload carries the current template and its controller has seen it
-    failure: str | None = None  # the workload controller's own failure (ReplicaFailure, deadline)
-
-    @property
-    def is_serving_current(self) -> bool:
-        return self.applied and self.updated_ready >= self.floor
-
-    @property
-    def is_serving(self) -> bool:
-        return self.ready >= self.floor
-
-    @property
-    def is_complete(self) -> bool:
-        return self.applied and self.updated_ready == self.desired and self.replicas == self.desired
-
-    @property
-    def is_rolling(self) -> bool:
-        return not self.applied or self.updated < self.replicas
-
-
-@dataclass(frozen=True, slots=True)
-class PodProblem:
-    """A pod that cannot make progress: unschedulable (capacity) or failing (image, crash, admission)."""
-
-    pool: str
-    pod: str
-    reason: str  # Unschedulable | ImagePullBackOff | CrashLoopBackOff | ...
-    message: str
-
-    @property
-    def is_capacity(self) -> bool:
-        return self.reason == "Unschedulable"
+# A condition as decided: (status, reason, message, observedGeneration or None for the current one).
+Verdict = tuple[bool, str, str, int | None]
 
 
 @dataclass(slots=True)
@@ -104,89 +44,13 @@ class Outcome:
     pod_problems: list[PodProblem] = field(default_factory=list)
     downloading: list[str] = field(default_factory=list)  # "pod P (since T)" of model downloads under way
 
+    @property
+    def capacity(self) -> list[PodProblem]:
+        return [p for p in self.pod_problems if p.is_capacity]
 
-def template_hash(workload: Mapping[str, Any]) -> str | None:
-    spec = workload.get("spec") or {}
-    lws = spec.get("leaderWorkerTemplate")
-    template = lws["workerTemplate"] if lws else spec.get("template")
-    return (((template or {}).get("metadata") or {}).get("labels") or {}).get(LABEL_SPEC_HASH)
-
-
-def pods_per_replica(workload: Mapping[str, Any]) -> int:
-    spec = workload.get("spec") or {}
-    if workload["kind"] == "StatefulSet":
-        return int(spec.get("replicas", 1))
-    if workload["kind"] == "LeaderWorkerSet":
-        return int(spec["leaderWorkerTemplate"].get("size", 1))
-    return 1
-
-
-def _failure(obj: Mapping[str, Any]) -> str | None:
-    for cond in (obj.get("status") or {}).get("conditions", []):
-        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
-            return f"{obj['kind']} {obj['metadata']['name']}: {cond.get('message', cond.get('reason', ''))}"
-        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
-            return f"{obj['kind']} {obj['metadata']['name']}: {cond.get('message', 'progress deadline exceeded')}"
-    return None
-
-
-def _applied(layout: PoolLayout, workloads: Mapping[tuple[str, str], Mapping[str, Any]]) -> bool:
-    for key in layout.workloads:
-        obj = workloads.get(key)
-        if obj is None or template_hash(obj) != layout.spec_hash:
-            return False
-        seen = int((obj.get("status") or {}).get("observedGeneration", 0))
-        if obj["kind"] != "LeaderWorkerSet" and seen < int(obj["metadata"].get("generation", 1)):
-            return False
-    return True
-
-
-def observe_pool(
-    layout: PoolLayout, workloads: Mapping[tuple[str, str], Mapping[str, Any]], pods: Sequence[PodInfo]
-) -> PoolObservation:
-    """Counts of one pool from its live pods; `workloads` maps (kind, name) -> observed workload."""
-    groups: dict[str, list[PodInfo]] = defaultdict(list)
-    for pod in pods:
-        if pod.pool == layout.name and not pod.is_terminating:
-            groups[pod.group if pod.group is not None else f"pod/{pod.name}"].append(pod)
-    replicas = ready = updated = updated_ready = 0
-    for members in groups.values():
-        is_ready = all(p.is_ready for p in members) and (
-            len(members) >= layout.pods_per_replica if members[0].group is not None else True
-        )
-        is_updated = all(p.spec_hash == layout.spec_hash for p in members)
-        replicas += 1
-        ready += is_ready
-        updated += is_updated
-        updated_ready += is_ready and is_updated
-    failure = next((f for k in layout.workloads if (obj := workloads.get(k)) and (f := _failure(obj))), None)
-    return PoolObservation(
-        name=layout.name,
-        desired=layout.desired,
-        floor=layout.floor,
-        replicas=replicas,
-        ready=ready,
-        updated=updated,
-        updated_ready=updated_ready,
-        applied=_applied(layout, workloads),
-        failure=failure,
-    )
-
-
-def pod_problems(pods: Sequence[PodInfo]) -> list[PodProblem]:
-    """Problems of the pods of one InferenceService that are not ready."""
-    out = [
-        PodProblem(pod.pool, pod.name, reason, message)
-        for pod in pods
-        if not pod.is_ready and not pod.is_terminating
-        for reason, message in pod.problems
-    ]
-    return sorted(out, key=lambda p: (p.pool, p.pod, p.reason))
-
-
-def downloads_in_progress(pods: Sequence[PodInfo]) -> list[str]:
-    """The pods whose model download runs, as "pod P (since T)", for the Progressing message."""
-    return sorted(f"pod {p.name} (since {p.downloading_since})" for p in pods if p.downloading_since)
+    @property
+    def broken(self) -> list[PodProblem]:
+        return [p for p in self.pod_problems if not p.is_capacity]
 
 
 def _describe(obs: PoolObservation) -> str:
@@ -211,6 +75,88 @@ def _still_serving(
     if replaced:
         return all(m.is_serving for m in replaced) and (router is None or router.is_serving)
     return all(m.is_serving for m in members)
+
+
+def _ready(
+    members: Sequence[PoolObservation],
+    still_serving: bool,
+    outcome: Outcome,
+    url: str | None,
+    generation: int,
+    was_ready: Condition | None,
+) -> Verdict:
+    if outcome.applied and all(m.is_serving_current for m in members):
+        return True, "MinimumReplicasReady", f"serving at {url} on the current spec: {_counts(members)}", None
+    if still_serving and was_ready is not None and was_ready.status == "True":
+        # Still true of the generation it was computed for: keep it (and its generation) while the
+        # new template rolls out, so nothing reads the service as down while it serves.
+        lagging = "; ".join(_describe(m) for m in members if not m.is_serving_current)
+        message = f"serving at {url} on an earlier spec while generation {generation} rolls out: {lagging}"
+        return True, "ServingPreviousSpec", message, was_ready.observed_generation or generation
+    not_serving = [m for m in members if not m.is_serving_current]
+    message = "; ".join(_describe(m) for m in not_serving) or "children not applied yet"
+    downloads = [p for p in outcome.broken if p.reason == DOWNLOAD_FAILED]
+    if outcome.apply_error:
+        reason = "ApplyFailed"
+    elif downloads:  # the first thing an admin must fix: say what, before the counts
+        reason = DOWNLOAD_FAILED
+        message = f"pod {downloads[0].pod}: {downloads[0].message}; {message}"
+    elif outcome.capacity:
+        reason = "Unschedulable"
+    else:
+        reason = "RollingOut" if any(m.is_rolling for m in not_serving) else "ReplicasNotReady"
+    return False, reason, message[:4000], None
+
+
+def _degraded_messages(members: Sequence[PoolObservation], outcome: Outcome) -> list[str]:
+    failures = [m.failure for m in members if m.failure]
+    return [*failures, *(f"pod {p.pod} ({p.pool}): {p.reason}: {p.message}" for p in outcome.broken)]
+
+
+def _degraded(members: Sequence[PoolObservation], outcome: Outcome) -> Verdict:
+    broken = outcome.broken
+    messages = _degraded_messages(members, outcome)
+    if outcome.apply_error:
+        return True, "ApplyFailed", outcome.apply_error, None
+    if messages:
+        first_download = next((p for p in broken if p.reason == DOWNLOAD_FAILED), None)
+        failed = any(m.failure for m in members)
+        reason = "WorkloadFailure" if failed else (first_download or broken[0]).reason
+        return True, reason, "; ".join(messages)[:4000], None
+    return False, "AsExpected", "", None
+
+
+def _progressing(members: Sequence[PoolObservation], outcome: Outcome) -> Verdict:
+    unfinished = [m for m in members if not m.is_complete]
+    if outcome.applied and not unfinished:
+        return False, "Complete", f"every pool runs the current spec: {_counts(members)}", None
+    if outcome.apply_error or _degraded_messages(members, outcome):
+        return False, "Stalled", "see the Degraded condition", None
+    reason = "RollingOut" if not outcome.applied or any(m.is_rolling for m in unfinished) else "Scaling"
+    message = "; ".join(_describe(m) for m in unfinished) or "applying the spec"
+    if outcome.downloading:
+        message += "; downloading the model: " + ", ".join(outcome.downloading)
+    return True, reason, message[:4000], None
+
+
+def _scaling_limited(outcome: Outcome) -> Verdict:
+    capacity = outcome.capacity
+    if capacity:
+        pods = ", ".join(sorted({f"{p.pool}/{p.pod}" for p in capacity}))
+        message = f"pods cannot be scheduled ({pods}): {capacity[0].message}"
+        return True, "InsufficientCapacity", message[:4000], None
+    if outcome.scaling_limit:
+        return True, *outcome.scaling_limit, None
+    return False, "AsExpected", "", None
+
+
+def _invalid(message: str) -> dict[str, Verdict]:
+    return {
+        "Ready": (False, "InvalidSpec", message, None),
+        "Progressing": (False, "InvalidSpec", "nothing will change until the spec is fixed", None),
+        "Degraded": (True, "InvalidSpec", message, None),
+        "ScalingLimited": (False, "InvalidSpec", "", None),
+    }
 
 
 def build_status(
@@ -242,74 +188,17 @@ def build_status(
     status.replicas = scaled.replicas if scaled else None
     status.selector = selector
     status.url = url
-
-    def cond(type_: str, value: bool, reason: str, message: str, observed: int = generation) -> None:
-        status.set_condition(type_, "True" if value else "False", reason, message, observed, now)
-
-    if outcome.spec_error:
-        cond("Ready", False, "InvalidSpec", outcome.spec_error)
-        cond("Progressing", False, "InvalidSpec", "nothing will change until the spec is fixed")
-        cond("Degraded", True, "InvalidSpec", outcome.spec_error)
-        cond("ScalingLimited", False, "InvalidSpec", "")
-        return status
-
     members = [*pools, *([router] if router else [])]
-    failures = [m.failure for m in members if m.failure]
-    capacity = [p for p in outcome.pod_problems if p.is_capacity]
-    broken = [p for p in outcome.pod_problems if not p.is_capacity]
-    was_ready = previous.condition("Ready")
-
-    if outcome.applied and all(m.is_serving_current for m in members):
-        cond("Ready", True, "MinimumReplicasReady", f"serving at {url} on the current spec: {_counts(members)}")
-    elif _still_serving(members, router, replaced) and was_ready is not None and was_ready.status == "True":
-        # Still true of the generation it was computed for: keep it (and its generation) while the
-        # new template rolls out, so nothing reads the service as down while it serves.
-        lagging = "; ".join(_describe(m) for m in members if not m.is_serving_current)
-        message = f"serving at {url} on an earlier spec while generation {generation} rolls out: {lagging}"
-        cond("Ready", True, "ServingPreviousSpec", message, was_ready.observed_generation or generation)
+    if outcome.spec_error:
+        verdicts = _invalid(outcome.spec_error)
     else:
-        not_serving = [m for m in members if not m.is_serving_current]
-        message = "; ".join(_describe(m) for m in not_serving) or "children not applied yet"
-        downloads = [p for p in broken if p.reason == DOWNLOAD_FAILED]
-        if outcome.apply_error:
-            reason = "ApplyFailed"
-        elif downloads:  # the first thing an admin must fix: say what, before the counts
-            reason = DOWNLOAD_FAILED
-            message = f"pod {downloads[0].pod}: {downloads[0].message}; {message}"
-        elif capacity:
-            reason = "Unschedulable"
-        else:
-            reason = "RollingOut" if any(m.is_rolling for m in not_serving) else "ReplicasNotReady"
-        cond("Ready", False, reason, message[:4000])
-
-    degraded_msgs = [*failures, *(f"pod {p.pod} ({p.pool}): {p.reason}: {p.message}" for p in broken)]
-    first_download = next((p for p in broken if p.reason == DOWNLOAD_FAILED), None)
-    if outcome.apply_error:
-        cond("Degraded", True, "ApplyFailed", outcome.apply_error)
-    elif degraded_msgs:
-        reason = "WorkloadFailure" if failures else (first_download or broken[0]).reason
-        cond("Degraded", True, reason, "; ".join(degraded_msgs)[:4000])
-    else:
-        cond("Degraded", False, "AsExpected", "")
-
-    unfinished = [m for m in members if not m.is_complete]
-    if outcome.applied and not unfinished:
-        cond("Progressing", False, "Complete", f"every pool runs the current spec: {_counts(members)}")
-    elif outcome.apply_error or degraded_msgs:
-        cond("Progressing", False, "Stalled", "see the Degraded condition")
-    else:
-        reason = "RollingOut" if not outcome.applied or any(m.is_rolling for m in unfinished) else "Scaling"
-        message = "; ".join(_describe(m) for m in unfinished) or "applying the spec"
-        if outcome.downloading:
-            message += "; downloading the model: " + ", ".join(outcome.downloading)
-        cond("Progressing", True, reason, message[:4000])
-
-    if capacity:
-        pods = ", ".join(sorted({f"{p.pool}/{p.pod}" for p in capacity}))
-        message = f"pods cannot be scheduled ({pods}): {capacity[0].message}"
-        cond("ScalingLimited", True, "InsufficientCapacity", message[:4000])
-    elif outcome.scaling_limit:
-        cond("ScalingLimited", True, *outcome.scaling_limit)
-    else:
-        cond("ScalingLimited", False, "AsExpected", "")
+        serving = _still_serving(members, router, replaced)
+        verdicts = {
+            "Ready": _ready(members, serving, outcome, url, generation, previous.condition("Ready")),
+            "Degraded": _degraded(members, outcome),
+            "Progressing": _progressing(members, outcome),
+            "ScalingLimited": _scaling_limited(outcome),
+        }
+    for type_, (value, reason, message, observed) in verdicts.items():
+        status.set_condition(type_, "True" if value else "False", reason, message, observed or generation, now)
     return status

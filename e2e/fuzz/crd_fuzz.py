@@ -31,7 +31,7 @@ from spec_gen import CRD_FILE, MODES, SpecGen
 from tqdm import tqdm
 
 import devcluster
-from tidepool.operator.builders import ClusterFeatures, SpecError
+from tidepool.operator.builders import ClusterFeatures, ServiceView, SpecError
 from tidepool.operator.credentials import load_credentials
 from tidepool.operator.features import detect_features
 from tidepool.operator.k8s import ApiError, KubeClient, object_path, resource_path
@@ -54,7 +54,7 @@ def local_verdict(body: dict[str, Any], features: ClusterFeatures) -> tuple[str,
     stored = copy.deepcopy(body)
     stored["metadata"].setdefault("uid", "00000000-0000-0000-0000-000000000001")
     try:
-        return "accepted", desire(stored, features, None).children
+        return "accepted", desire(ServiceView.from_body(stored), stored["metadata"], features, None).children
     except (ValidationError, SpecError) as exc:
         return "refused", str(exc)[:600]
     except Exception:  # a crash of the builders: always a finding

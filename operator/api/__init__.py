@@ -18,7 +18,8 @@ Contract for the rest of the operator (builders, reconcile, autoscaler, crdgen):
   same rules and messages the CRD's CEL makes the API server enforce (see rules.py).
 - `ServiceView.from_spec(spec)` (view.py) is the one derived view the builders and the autoscaler
   read: the validated spec's own models plus per-pool replicas, bounds and resources; `SpecError`
-  for a spec that can never be reconciled. No reader keeps defaults of its own.
+  for a spec that can never be reconciled. The controller parses each object once per sync
+  (`ServiceView.from_body(body)`) and hands that view on. No reader keeps defaults of its own.
 - Engine settings: `EngineSpec` fields marked `ServeFlagRef` pass through as that `tidepool serve`
   flag (`serve_flag_fields()`), with the flag table's default (tidepool.contract.serve_flags, torch-free).
 - Quantities: `canonical_quantity` / `quantity_value` (quantity.py), the API server's canonical form.

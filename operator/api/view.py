@@ -3,7 +3,9 @@
 `ServiceView.from_spec(spec)` takes an `InferenceServiceSpec`, or a wire dict that it validates
 into one first, so every default comes from the pydantic models (and, for engine settings, from
 the engine's flag table behind them) and from nowhere else. It refuses a spec that breaks a
-cross-field rule (`validate_spec`, the CRD's CEL mirror) with `SpecError`.
+cross-field rule (`validate_spec`, the CRD's CEL mirror) with `SpecError`. `ServiceView.from_body(body)`
+does the same for an API object, its metadata.name checked too: the controller parses each
+InferenceService once per sync this way and hands the view to the autoscaler and the builders.
 
 The view keeps the spec's own models (`view.engine`, `view.pod`, `view.autoscaling`, ...), so a
 field added to the API is visible to every reader without being copied, and derives once what
@@ -60,15 +62,21 @@ class ServiceView:
     pools: Mapping[str, PoolView]  # in `pool_names` order
 
     @staticmethod
-    def from_spec(spec: InferenceServiceSpec | Mapping[str, Any] | ServiceView) -> ServiceView:
-        """The view of a spec; raises pydantic.ValidationError (shapes) or SpecError (cross-field rules)."""
+    def from_body(body: Mapping[str, Any]) -> ServiceView:
+        """The view of an InferenceService object's spec, its name checked too (the reconcile's parse)."""
+        return ServiceView.from_spec(body.get("spec") or {}, name=body["metadata"]["name"])
+
+    @staticmethod
+    def from_spec(spec: InferenceServiceSpec | Mapping[str, Any] | ServiceView, name: str | None = None) -> ServiceView:
+        """The view of a spec; raises pydantic.ValidationError (shapes) or SpecError (cross-field rules, and the
+        length of `name` when given)."""
         if isinstance(spec, ServiceView):
             return spec
         if isinstance(spec, InferenceServiceSpec):
             model = spec.model_copy(deep=True)
         else:
             model = InferenceServiceSpec.model_validate(dict(spec))
-        problems = validate_spec(model)
+        problems = validate_spec(model, name)
         if problems:
             raise SpecError("; ".join(problems))
         pools = {}
@@ -140,6 +148,12 @@ class ServiceView:
     def quantization(self) -> str | None:
         """The engine's --quantization: None for "none"."""
         return None if self.spec.model.quantization == "none" else self.spec.model.quantization
+
+    @property
+    def is_autoscaled(self) -> bool:
+        """Tidepool's autoscaler ticks for it: autoscaling enabled in active or advisory mode (in external
+        mode HPA/KEDA drive the scale subresource)."""
+        return self.spec.autoscaling.enabled and self.spec.autoscaling.mode != "external"
 
     @property
     def declared_replicas(self) -> dict[str, int]:

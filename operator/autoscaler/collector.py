@@ -2,9 +2,9 @@
 
 Role: once per interval, for each pool of an InferenceService, a `MetricsSource` returns the
 `/metrics` bodies of the pool's ready pods (and of its routers); `Collector` parses them into a
-`window.Scrape` and appends it to that pool's `PoolWindow`. Partial data is normal: a pod that
-times out or answers garbage counts in `num_pods_failed`, which the policy reads as "incomplete:
-never scale down".
+`window.Scrape` and appends it to that pool's `PoolWindow` (the windows live in the service's state).
+Partial data is normal: a pod that times out or answers garbage counts in `num_pods_failed`, which
+the policy reads as "incomplete: never scale down".
 
 Sources (pluggable, so tests feed synthetic metrics; KWOK pods have no real IPs):
 - `PodsSource`: the IPs of the pool's ready pods from the operator's pod cache (fed by its watch,
@@ -24,20 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
 
+from tidepool.operator.builders.common import ENGINE_PORT, ROUTER_POOL, ROUTER_PORT
 from tidepool.operator.cache import PodInfo
 
 from .metrics import MetricsParseError, PodMetrics, held_requests_by_pool, pod_metrics_from_text
+from .policy_types import PoolSnapshot
 from .window import PoolWindow, Scrape
 
 _POD_LABEL = re.compile(r'[{,]pod="([^"]+)"')
-ENGINE_PORT = 8000
-ROUTER_PORT = 8080
 
 
 @dataclass(slots=True)
@@ -139,7 +139,7 @@ class PodsSource:
         port_of: Callable[[PodInfo], int] | None = None,
     ) -> None:
         self.pods_of, self.client, self.timeout_s = pods_of, client, timeout_s
-        self.port_of = port_of or (lambda pod: ROUTER_PORT if pod.pool == "router" else ENGINE_PORT)
+        self.port_of = port_of or (lambda pod: ROUTER_PORT if pod.pool == ROUTER_POOL else ENGINE_PORT)
 
     def _ready(self, namespace: str, name: str, pool: str) -> list[tuple[str, str, int]]:
         return [
@@ -158,7 +158,7 @@ class PodsSource:
             return None
 
     async def fetch(self, namespace: str, name: str, pools: tuple[str, ...]) -> dict[str, PoolBodies]:
-        routers = self._ready(namespace, name, "router")
+        routers = self._ready(namespace, name, ROUTER_POOL)
         router_bodies = [b for b in await asyncio.gather(*(self._get(ip, port) for _, ip, port in routers)) if b]
         out = {}
         for pool in pools:
@@ -170,25 +170,24 @@ class PodsSource:
 
 
 class Collector:
-    """Per-InferenceService windows of every pool, fed from one `MetricsSource`."""
+    """Fills the windows of an InferenceService's pools from one `MetricsSource`. The windows are the service's
+    own (its `AutoscaleState` holds them), so they go when the service does."""
 
     def __init__(self, source: MetricsSource, window_s: float = 60.0) -> None:
         self.source, self.window_s = source, window_s
-        self.windows: dict[tuple[str, str, str], PoolWindow] = {}
 
-    async def collect(self, namespace: str, name: str, pools: tuple[str, ...], now: float) -> None:
+    async def collect(
+        self, windows: dict[str, PoolWindow], namespace: str, name: str, pools: tuple[str, ...], now: float
+    ) -> None:
         fetched = await self.source.fetch(namespace, name, pools)
         for pool in pools:
             got = fetched.get(pool) or PoolBodies()
-            window = self.windows.setdefault((namespace, name, pool), PoolWindow(self.window_s))
-            window.add(to_scrape(pool, got, now))
+            windows.setdefault(pool, PoolWindow(self.window_s)).add(to_scrape(pool, got, now))
 
-    def snapshots(self, namespace: str, name: str, pools: tuple[str, ...]):
-        return {pool: w.snapshot() for pool in pools if (w := self.windows.get((namespace, name, pool))) is not None}
 
-    def forget(self, namespace: str, name: str) -> None:
-        for key in [k for k in self.windows if k[:2] == (namespace, name)]:
-            del self.windows[key]
+def snapshots(windows: Mapping[str, PoolWindow], pools: tuple[str, ...]) -> dict[str, PoolSnapshot]:
+    """The snapshot of each pool that has a window."""
+    return {pool: w.snapshot() for pool in pools if (w := windows.get(pool)) is not None}
 
 
 def to_scrape(pool: str, got: PoolBodies, now: float) -> Scrape:

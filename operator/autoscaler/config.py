@@ -1,45 +1,17 @@
-"""Map an InferenceService spec to the policy's `AutoscaleConfig` through the one spec view (pure).
+"""Map an InferenceService's parsed spec (`ServiceView`) to the policy's `AutoscaleConfig` (pure).
 
 Every value comes from `ServiceView` (tidepool.operator.api.view), i.e. from the validated pydantic
-spec with the API's defaults: nothing here has a default of its own. The helpers accept the view,
-the pydantic spec, or the wire dict of a kopf body (validated on the way in).
+spec with the API's defaults: nothing here has a default of its own, and nothing parses the spec again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from pydantic import ValidationError
-
-from tidepool.operator.api import InferenceServiceSpec, ServiceView, SpecError
+from tidepool.operator.api import ServiceView
 
 from .policy_types import AutoscaleConfig, PoolBounds
 
-SpecLike = ServiceView | InferenceServiceSpec | Mapping[str, Any]
 
-
-def pool_names(spec: SpecLike) -> tuple[str, ...]:
-    return ServiceView.from_spec(spec).pool_names
-
-
-def is_enabled(spec: SpecLike) -> bool:
-    """Tidepool's autoscaler runs for a valid spec with autoscaling.enabled, unless mode is external (HPA/KEDA
-    scale it); an invalid one is never autoscaled (reconcile reports it Degraded)."""
-    try:
-        auto = ServiceView.from_spec(spec).autoscaling
-    except (ValidationError, SpecError):
-        return False
-    return auto.enabled and auto.mode != "external"
-
-
-def declared_replicas(spec: SpecLike) -> dict[str, int]:
-    """Replicas per pool as the spec declares them, spec.replicas (the scale subresource) included."""
-    return ServiceView.from_spec(spec).declared_replicas
-
-
-def config_from_spec(spec: SpecLike) -> AutoscaleConfig:
-    view = ServiceView.from_spec(spec)
+def config_from_view(view: ServiceView) -> AutoscaleConfig:
     auto = view.autoscaling
 
     def seconds(ms: int | None) -> float | None:

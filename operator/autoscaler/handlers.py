@@ -2,11 +2,14 @@
 
 Every `TIDEPOOL_AUTOSCALE_INTERVAL` seconds (default 15) for each InferenceService with
 `autoscaling.enabled`, the controller's worker for that object (so never concurrently with its
-reconcile) calls `Autoscaler.tick`: scrape the pools (collector), read current replicas and
-unschedulable pods (the pod cache), run `policy.decide`, then write `status.autoscaling`:
+reconcile) calls `Autoscaler.tick` with the sync's one parsed spec (`ServiceView`) and the service's
+`AutoscaleState` (what is kept in memory for it: policy history, next tick, last write, metric series
+and windows; it lives in the controller's per-service state and goes with it): scrape the pools
+(collector), read current replicas and unschedulable pods (the pod cache), run `policy.decide`, then
+write `status.autoscaling`:
 mode, lastScaleTime, lastDecision, per-pool desiredReplicas and inputs, `limited`, and the policy's
 stabilization state (recent recommendations, lastActiveTime). In active mode the reconcile that
-follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas()`); in advisory
+follows applies `status.autoscaling.pools[*].desiredReplicas` (`applied_replicas(view, status)`); in advisory
 mode nothing but status, an Event and the metrics change. With autoscaling disabled, or in external mode,
 the autoscaler never ticks (no scrape, no decision, no replicas): the spec's replicas apply and HPA/KEDA
 drive the scale subresource (`spec.replicas`, the scaled pool's); `clear` removes what an earlier mode
@@ -33,20 +36,22 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 from prometheus_client import Counter, Gauge
 
-from tidepool.operator.api import KIND
-from tidepool.operator.cache import PodInfo
+from tidepool.operator.api import KIND, ServiceView
+from tidepool.operator.cache import Key, PodInfo
 
-from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource
-from .config import config_from_spec, declared_replicas, is_enabled, pool_names
+from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource, snapshots
+from .config import config_from_view
 from .forecast import Prediction
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
+from .window import PoolWindow
 
 DECISIONS = Counter("tidepool_autoscaler_decisions", "Autoscaler decisions", ["namespace", "name", "mode", "action"])
 DESIRED = Gauge("tidepool_autoscaler_desired_replicas", "Replicas the autoscaler wants", ["namespace", "name", "pool"])
@@ -58,7 +63,7 @@ PERSIST_S = 60.0
 MAX_RECOMMENDATIONS = 64
 logger = logging.getLogger("tidepool.operator.autoscaler")
 
-Key = tuple[str, str]
+Series = tuple[Any, tuple[str, ...]]  # (metric, label values)
 EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
 
 
@@ -72,25 +77,15 @@ def _epoch(text: str | None) -> float | None:
     return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
-def is_autoscaled(body: Mapping[str, Any]) -> bool:
-    """Tidepool's autoscaler ticks for this object: enabled, in active or advisory mode (never external)."""
-    auto = (body.get("spec") or {}).get("autoscaling") or {}
-    return bool(auto.get("enabled")) and auto.get("mode", "active") != "external"
-
-
-def is_active(body: Mapping[str, Any]) -> bool:
-    """Autoscaling enabled in active mode: its decisions set the replicas."""
-    spec = body.get("spec") or {}
-    return is_enabled(spec) and (spec.get("autoscaling") or {}).get("mode", "active") == "active"
-
-
-def applied_replicas(body: Mapping[str, Any]) -> tuple[dict[str, int] | None, tuple[str, str] | None]:
-    """(replicas per pool, ScalingLimited reason/message) the autoscaler decided, from status; None when off."""
-    auto = (body.get("status") or {}).get("autoscaling") or {}
-    if not is_active(body) or auto.get("mode") != "active":
+def applied_replicas(
+    view: ServiceView, status: Mapping[str, Any]
+) -> tuple[dict[str, int] | None, tuple[str, str] | None]:
+    """(replicas per pool, ScalingLimited reason/message) the autoscaler decided, from `status` (the object's);
+    None unless the spec autoscales in active mode and status holds an active decision."""
+    auto = status.get("autoscaling") or {}
+    if not view.is_autoscaled or view.autoscaling.mode != "active" or auto.get("mode") != "active":
         return None, None
-    pools = pool_names(body.get("spec") or {})
-    replicas = {p: int(v["desiredReplicas"]) for p, v in (auto.get("pools") or {}).items() if p in pools}
+    replicas = {p: int(v["desiredReplicas"]) for p, v in (auto.get("pools") or {}).items() if p in view.pools}
     limited = ("CapacityOrBounds", str(auto["limited"])[:1000]) if auto.get("limited") else None
     return (replicas or None), limited
 
@@ -193,8 +188,31 @@ def metrics_source(pods_of: Callable[[str, str], Sequence[PodInfo]], http: httpx
     return PodsSource(pods_of, http)
 
 
+@dataclass(slots=True)
+class AutoscaleState:
+    """What the autoscaler keeps in memory for one InferenceService (a part of its `ServiceState`)."""
+
+    history: History | None = None  # the policy's state; None: read back from status at the next tick
+    next_tick: float = 0.0  # when the next decision is due (the autoscaler's clock)
+    written_at: float = float("-inf")  # when status.autoscaling was last written
+    series: set[Series] = field(default_factory=set)  # the metric series labelled with this service
+    windows: dict[str, PoolWindow] = field(default_factory=dict)  # per pool, the metrics of the last window
+
+    def drop_series(self) -> None:
+        for metric, labels in self.series:
+            metric.remove(*labels)  # a no-op when already gone
+        self.series.clear()
+
+    def reset(self) -> None:
+        """Forget everything, its metric series included (a scrape must not see stale ones)."""
+        self.drop_series()
+        self.history, self.next_tick, self.written_at = None, 0.0, float("-inf")
+        self.windows.clear()
+
+
 class Autoscaler:
-    """Per-InferenceService ticks; `client` writes status, `pods_of` reads the pod cache, `event` posts."""
+    """Per-InferenceService ticks; `client` writes status, `pods_of` reads the pod cache, `event` posts.
+    What it remembers of a service lives in that service's `AutoscaleState`, passed in."""
 
     def __init__(
         self,
@@ -211,31 +229,12 @@ class Autoscaler:
         window = window_s or float(os.environ.get("TIDEPOOL_AUTOSCALE_WINDOW", "60"))
         self.collector = Collector(source, window)
         self.clock = clock
-        self.histories: dict[Key, History] = {}
-        self.next_tick: dict[Key, float] = {}
-        self.written_at: dict[Key, float] = {}
-        self.series: dict[Key, set[tuple[Any, tuple[str, ...]]]] = {}  # (metric, label values) set per key
 
-    def forget(self, key: Key) -> None:
-        """Drop what is kept in memory for `key`, and its metric series (a scrape must not see stale ones)."""
-        for table in (self.histories, self.next_tick, self.written_at):
-            table.pop(key, None)
-        self.collector.forget(*key)
-        self._drop_series(key)
-
-    def _observe(self, key: Key, metric: Any, labels: tuple[str, ...]) -> Any:
-        self.series.setdefault(key, set()).add((metric, labels))
-        return metric.labels(*labels)
-
-    def _drop_series(self, key: Key) -> None:
-        for metric, labels in self.series.pop(key, set()):
-            metric.remove(*labels)  # a no-op when already gone
-
-    async def clear(self, key: Key, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    async def clear(self, key: Key, body: Mapping[str, Any], state: AutoscaleState) -> Mapping[str, Any]:
         """The autoscaler no longer ticks for `key` (disabled, or external mode): forget it, and remove the
         `status.autoscaling` an earlier mode left (it is no longer applied, and would mislead a reader or a
         KEDA scaler reading it). Returns the object as updated (or `body` when nothing was stale)."""
-        self.forget(key)
+        state.reset()
         if not (body.get("status") or {}).get("autoscaling"):
             return body
         namespace, name = key
@@ -244,22 +243,22 @@ class Autoscaler:
         updated = await self.client.patch_status(KIND, namespace, name, {"autoscaling": None}, version)
         return updated or body
 
-    def seconds_until_due(self, key: Key) -> float:
-        return max(self.next_tick.get(key, 0.0) - self.clock(), 0.0)
+    def seconds_until_due(self, state: AutoscaleState) -> float:
+        return max(state.next_tick - self.clock(), 0.0)
 
-    def _current(self, key: Key, body: Mapping[str, Any], pools: Sequence[str]) -> dict[str, PoolState]:
+    def _current(self, key: Key, view: ServiceView, body: Mapping[str, Any]) -> dict[str, PoolState]:
         """Replicas in force per pool and stuck pods. Replicas: our own last decision when it acts (the
         reconcile applies it), else what the reconcile last drove towards, else the spec's declared replicas
         (the view's: spec.replicas wins for the scaled pool)."""
-        declared = declared_replicas(body.get("spec") or {})
-        recorded = (body.get("status") or {}).get("pools") or {}
-        decided = applied_replicas(body)[0] or {}
+        status = body.get("status") or {}
+        recorded = status.get("pools") or {}
+        decided = applied_replicas(view, status)[0] or {}
         pods = self.pods_of(*key)
         states = {}
-        for pool in pools:
+        for pool in view.pool_names:
             replicas = decided.get(pool, (recorded.get(pool) or {}).get("desiredReplicas"))
             if replicas is None:
-                replicas = declared[pool]
+                replicas = view.declared_replicas[pool]
             stuck = [
                 msg for p in pods if p.pool == pool and not p.is_ready for r, msg in p.problems if r == "Unschedulable"
             ]
@@ -269,51 +268,65 @@ class Autoscaler:
             )
         return states
 
-    async def tick(self, key: Key, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    async def tick(
+        self, key: Key, view: ServiceView, body: Mapping[str, Any], state: AutoscaleState
+    ) -> Mapping[str, Any]:
         """One decision; returns the object as updated by the status write (or `body` when nothing was written)."""
         namespace, name = key
         now = self.clock()
-        self.next_tick[key] = now + self.interval_s
-        if not is_autoscaled(body):  # external mode (or off): HPA/KEDA own the replicas; never scrape
+        state.next_tick = now + self.interval_s
+        if not view.is_autoscaled:  # external mode (or off): HPA/KEDA own the replicas; never scrape
             return body
-        spec = dict(body.get("spec") or {})
-        pools = pool_names(spec)
+        pools = view.pool_names
         written = (body.get("status") or {}).get("autoscaling") or {}
         previous = written
-        if written.get("mode") and written["mode"] != (spec.get("autoscaling") or {}).get("mode", "active"):
+        if written.get("mode") and written["mode"] != view.autoscaling.mode:
             # active <-> advisory: the other mode's decisions, stabilization state and series are stale.
             logger.info("[%s/%s] autoscaling mode changed from %s: starting afresh", namespace, name, written["mode"])
-            self.histories.pop(key, None)
-            self._drop_series(key)
+            state.history = None
+            state.drop_series()
             previous = {}
-        history = self.histories.get(key) or restore_history(previous, now)
-        await self.collector.collect(namespace, name, pools, now)
-        snapshots = self.collector.snapshots(namespace, name, pools)
-        states = self._current(key, body, pools)
-        decision = decide(config_from_spec(spec), snapshots, states, history, now)
-        self.histories[key] = decision.history
-        mode = "advisory" if decision.is_advisory else "active"
-        for pool, d in decision.pools.items():
-            self._observe(key, DESIRED, (namespace, name, pool)).set(d.desired)
-            self._observe(key, CURRENT, (namespace, name, pool)).set(d.current)
-            self._observe(key, READY, (namespace, name, pool)).set(states[pool].num_ready or 0)
-        action = "scale" if decision.is_scaling else "hold"
-        self._observe(key, DECISIONS, (namespace, name, mode, action)).inc()
-        if decision.is_scaling:
-            reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
-            logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
-            await self.event(body, "Normal", reason, decision.reason[:1000])
-        new = autoscaling_status(decision, snapshots, previous, now)
-        stale = now - self.written_at.get(key, float("-inf")) >= PERSIST_S
-        if _material(new) == _material(written) and not stale:
+        history = state.history or restore_history(previous, now)
+        await self.collector.collect(state.windows, namespace, name, pools, now)
+        snaps = snapshots(state.windows, pools)
+        current = self._current(key, view, body)
+        decision = decide(config_from_view(view), snaps, current, history, now)
+        state.history = decision.history
+        await self._report(key, body, state, decision, current)
+        new = autoscaling_status(decision, snaps, previous, now)
+        if _material(new) == _material(written) and now - state.written_at < PERSIST_S:
             return body
         auto_patch: dict[str, Any] = {**{k: None for k in written if k not in new}, **new}
         gone = {p: None for p in written.get("pools") or {} if p not in new["pools"]}
         if gone:  # a merge patch keeps map keys it does not mention
             auto_patch["pools"] = {**new["pools"], **gone}
-        patch = {"autoscaling": auto_patch}
-        updated = await self.client.patch_status(
-            KIND, namespace, name, patch, (body.get("metadata") or {}).get("resourceVersion")
-        )
-        self.written_at[key] = now
+        version = (body.get("metadata") or {}).get("resourceVersion")
+        updated = await self.client.patch_status(KIND, namespace, name, {"autoscaling": auto_patch}, version)
+        state.written_at = now
         return updated or body
+
+    async def _report(
+        self,
+        key: Key,
+        body: Mapping[str, Any],
+        state: AutoscaleState,
+        decision: Decision,
+        current: Mapping[str, PoolState],
+    ) -> None:
+        """The decision's metric series (remembered in `state`, to be dropped with it) and, when it scales, an Event."""
+        namespace, name = key
+
+        def observe(metric: Any, *labels: str) -> Any:
+            state.series.add((metric, labels))
+            return metric.labels(*labels)
+
+        mode = "advisory" if decision.is_advisory else "active"
+        for pool, d in decision.pools.items():
+            observe(DESIRED, namespace, name, pool).set(d.desired)
+            observe(CURRENT, namespace, name, pool).set(d.current)
+            observe(READY, namespace, name, pool).set(current[pool].num_ready or 0)
+        observe(DECISIONS, namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
+        if decision.is_scaling:
+            reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
+            logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
+            await self.event(body, "Normal", reason, decision.reason[:1000])

@@ -104,24 +104,10 @@ def decide(
     desired: dict[str, int] = {}
     limited: dict[str, str] = {}
     for name in pool_names:
-        bounds, state = config.pools[name], current[name]
-        cur = state.replicas
-        value = _stabilize(name, cur, recs, now, config)
-        up_step = max(math.ceil(cur * config.max_step_percent / 100 - _EPS), config.min_step_replicas, 1)
-        down_step = max(math.floor(cur * config.max_step_percent / 100 + _EPS), 1)
-        value = min(max(value, cur - down_step), cur + up_step)
-        if value > bounds.max_replicas:
-            limited[name] = f"load wants {value} replicas; capped at maxReplicas {bounds.max_replicas}"
-        # Only the idle rule (step 7) takes a running pool to zero, even when minReplicas is 0.
-        floor = max(bounds.min_replicas, 1) if cur > 0 else bounds.min_replicas
-        value = min(max(value, floor), bounds.max_replicas)
-        if state.num_unschedulable > 0:
-            detail = f": {state.unschedulable_message}" if state.unschedulable_message else ""
-            limited[name] = f"{state.num_unschedulable} pod(s) unschedulable{detail}; not scaling up"
-            value = min(value, max(cur, bounds.min_replicas))
-        if not evals[name].is_complete and cur <= bounds.max_replicas:
-            value = max(value, cur)
-        desired[name] = value
+        stabilized = _stabilize(name, current[name].replicas, recs, now, config)
+        desired[name], note = _bounded(name, stabilized, config, current[name], evals[name].is_complete)
+        if note:
+            limited[name] = note
 
     last_active = history.last_active_time if history.last_active_time is not None else now
     if any(_is_active(s) for s in snaps.values()):
@@ -150,18 +136,45 @@ def decide(
     }
     is_scaling = any(p.desired != p.current for p in pools.values())
     applied = {name: (p.current if config.is_advisory else p.desired) for name, p in pools.items()}
-    reason = "; ".join(_describe(name, p) for name, p in pools.items())
-    if zero_note:
-        reason = f"{zero_note}; {reason}"
-    if config.is_advisory and is_scaling:
-        reason = f"advisory (not applied): {reason}"
     next_history = History(
         recommendations=recs,
         last_scale_time=now if is_scaling and not config.is_advisory else history.last_scale_time,
         last_active_time=last_active,
         forecasts={name: after_decision(a[0], current[name], applied[name]) for name, a in anticipated.items()},
     )
+    reason = _reason(pools, zero_note, config.is_advisory and is_scaling)
     return Decision(pools=pools, replicas=applied, is_advisory=config.is_advisory, reason=reason, history=next_history)
+
+
+def _bounded(name: str, value: int, config: AutoscaleConfig, state: PoolState, is_complete: bool) -> tuple[int, str]:
+    """A pool's stabilized recommendation within the step bound, [min, max], capacity and missing data (steps
+    3-5 of the docstring); with why it was limited ("" when it was not)."""
+    bounds, cur = config.pools[name], state.replicas
+    note = ""
+    up_step = max(math.ceil(cur * config.max_step_percent / 100 - _EPS), config.min_step_replicas, 1)
+    down_step = max(math.floor(cur * config.max_step_percent / 100 + _EPS), 1)
+    value = min(max(value, cur - down_step), cur + up_step)
+    if value > bounds.max_replicas:
+        note = f"load wants {value} replicas; capped at maxReplicas {bounds.max_replicas}"
+    # Only the idle rule (step 7) takes a running pool to zero, even when minReplicas is 0.
+    floor = max(bounds.min_replicas, 1) if cur > 0 else bounds.min_replicas
+    value = min(max(value, floor), bounds.max_replicas)
+    if state.num_unschedulable > 0:
+        detail = f": {state.unschedulable_message}" if state.unschedulable_message else ""
+        note = f"{state.num_unschedulable} pod(s) unschedulable{detail}; not scaling up"
+        value = min(value, max(cur, bounds.min_replicas))
+    if not is_complete and cur <= bounds.max_replicas:
+        value = max(value, cur)
+    return value, note
+
+
+def _reason(pools: Mapping[str, PoolDecision], zero_note: str, is_advisory_scale: bool) -> str:
+    reason = "; ".join(_describe(name, p) for name, p in pools.items())
+    if zero_note:
+        reason = f"{zero_note}; {reason}"
+    if is_advisory_scale:
+        reason = f"advisory (not applied): {reason}"
+    return reason
 
 
 def _evaluate(name: str, config: AutoscaleConfig, snap: PoolSnapshot, state: PoolState) -> _Evaluation:

@@ -1,8 +1,8 @@
 """The autoscaling policy's inputs and outputs: plain frozen dataclasses, no pydantic, no I/O.
 
 Role: the contract between the policy (`policy.decide`), the collector (which fills
-`PoolSnapshot`s), the operator (which maps the InferenceService spec to `AutoscaleConfig`
-via `config.config_from_spec` and observed workloads to `PoolState`), and the simulator
+`PoolSnapshot`s), the operator (which maps the parsed InferenceService spec to `AutoscaleConfig`
+via `config.config_from_view` and observed workloads to `PoolState`), and the simulator
 (`bench/autoscale_sim.py`), which drives the same policy without Kubernetes. Defaults that
 the API also has are read from the API's pydantic defaults (no copy); the rest are tuning
 knobs the API does not expose.

@@ -1,8 +1,10 @@
-"""Pure builders: an InferenceService spec -> the manifests of all its children.
+"""Pure builders: an InferenceService's parsed spec (`ServiceView`) -> its desired state.
 
-`build_children(name, namespace, spec, features, replicas_by_pool, owner)` returns every child as a
-plain dict, in a stable order (see KIND_ORDER). No client, no clock, no I/O: the same inputs always
-give the same output, byte for byte once dumped with sorted keys.
+`desired_state(name, namespace, view, features, replicas_by_pool, owner)` returns a `Desired`
+(layout.py): every child as a plain dict, in a stable order (see KIND_ORDER), and each pool's and
+the router's `PoolLayout`, the status URL and selector, built alongside the manifests. No client,
+no clock, no I/O: the same inputs always give the same output, byte for byte once dumped with
+sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
@@ -20,14 +22,26 @@ from typing import Any, get_args
 from tidepool.operator.api.spec import InferenceServiceSpec, Mode
 from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
-from .common import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY, ClusterFeatures, selector_labels, spec_hash
-from .engine import pool_workloads, topology
+from .common import (
+    LABEL_POOL,
+    LABEL_SERVICE,
+    LABEL_SPEC_HASH,
+    MANAGED_BY,
+    ROUTER_POOL,
+    WORKLOAD_KINDS,
+    ClusterFeatures,
+    selector_labels,
+    spec_hash,
+)
+from .engine import Topology, pool_workloads, topology
 from .inference_pool import inference_pool
+from .layout import ChildKey, Desired, PoolLayout
 from .network import (
     cache_claim,
     headless_service,
     pool_pdb,
     pool_service,
+    pool_url,
     router_deployment,
     router_rbac,
     router_service,
@@ -63,14 +77,17 @@ __all__ = [
     "MANAGED_BY",
     "POOLS_BY_MODE",
     "SCALED_POOL",
+    "WORKLOAD_KINDS",
+    "ChildKey",
     "ClusterFeatures",
+    "Desired",
+    "PoolLayout",
     "PoolView",
     "ServiceView",
     "SpecError",
-    "build_children",
     "desired_replicas",
+    "desired_state",
     "pod_selector",
-    "router_url",
     "spec_hash",
 ]
 
@@ -92,24 +109,49 @@ def pod_selector(name: str, view: ServiceView) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def build_children(
+def pool_layout(pool: PoolView, replicas: int, topo: Topology, workloads: list[dict[str, Any]]) -> PoolLayout:
+    """The layout of one engine pool, from the workloads just built for it."""
+    first = workloads[0] if workloads else None
+    return PoolLayout(
+        name=pool.name,
+        desired=replicas,
+        floor=min(replicas, max(1, pool.min_replicas)),
+        spec_hash=first["metadata"]["labels"][LABEL_SPEC_HASH] if first else "",
+        workloads=tuple((w["kind"], w["metadata"]["name"]) for w in workloads),
+        pods_per_replica=topo.nnodes if first else 1,
+    )
+
+
+def router_layout(view: ServiceView, deployment: dict[str, Any]) -> PoolLayout:
+    replicas = view.router.replicas
+    return PoolLayout(
+        name=ROUTER_POOL,
+        desired=replicas,
+        floor=min(replicas, 1),
+        spec_hash=deployment["spec"]["template"]["metadata"]["labels"][LABEL_SPEC_HASH],
+        workloads=(("Deployment", deployment["metadata"]["name"]),),
+    )
+
+
+def desired_state(
     name: str,
     namespace: str,
-    spec: ServiceView | InferenceServiceSpec | Mapping[str, Any],
+    view: ServiceView,
     features: ClusterFeatures | None = None,
     replicas_by_pool: Mapping[str, int] | None = None,
     owner: Mapping[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """Every child manifest of one InferenceService, in apply order. Raises SpecError (or pydantic's
-    ValidationError for a wire dict of the wrong shape) for impossible specs."""
+) -> Desired:
+    """Every child manifest of one InferenceService, in apply order, with the pools' layouts. Raises
+    SpecError for a spec no cluster can run (e.g. more tensor ranks than a node has GPUs)."""
     features = features or ClusterFeatures()
-    view = ServiceView.from_spec(spec)
     replicas = desired_replicas(view, replicas_by_pool)
     children: list[dict[str, Any]] = []
+    layouts = []
     for pool_name in view.pool_names:
         pool = view.pools[pool_name]
         topo = topology(view, features)
         workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, features)
+        layouts.append(pool_layout(pool, replicas[pool_name], topo, workloads))
         children += workloads
         children.append(pool_service(name, namespace, pool_name, topo))
         if topo.workload == "StatefulSet":
@@ -119,7 +161,8 @@ def build_children(
     if claim:
         children.append(claim)
     children += router_rbac(name, namespace)
-    children.append(router_deployment(name, namespace, view, features))
+    router = router_deployment(name, namespace, view, features)
+    children.append(router)
     children.append(router_service(name, namespace))
     if features.has_service_monitor:
         children.append(service_monitor(name, namespace))
@@ -132,4 +175,7 @@ def build_children(
             if child["kind"] == "PersistentVolumeClaim":
                 ref["controller"] = False  # a shared cache may be owned by several InferenceServices
             child["metadata"]["ownerReferences"] = [ref]
-    return sorted(children, key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
+    children.sort(key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
+    url = router_url(name, namespace) if view.router.replicas else pool_url(name, namespace, view.pool_names[-1])
+    selector = pod_selector(name, view)
+    return Desired(children, layouts, router_layout(view, router), url, selector, SCALED_POOL[view.mode])

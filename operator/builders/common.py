@@ -21,6 +21,7 @@ LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
 LABEL_GROUP_INDEX = f"{GROUP}/group-index"
 MANAGED_BY = "tidepool-operator"
 ROUTER_POOL = "router"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")  # the kinds that run pods
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 KV_PORT = 14579

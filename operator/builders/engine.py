@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.contract.serve_flags import render_args
+from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.spec import serve_flag_fields
 from tidepool.operator.api.view import PoolView, ServiceView, SpecError
@@ -54,7 +55,7 @@ from .common import (
     spec_hash,
 )
 from .overrides import apply_engine_pod, container_resources, pool_pod
-from .sources import CACHE_VOLUME, MODELS_DIR, cache_volume_source, model_source
+from .sources import CACHE_VOLUME, MODELS_DIR, ModelSource, cache_volume_source, model_source
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -180,12 +181,8 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def pod_template(
-    view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
-) -> dict[str, Any]:
-    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring). The pool's pod
-    overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
-    pod = pool_pod(view, pool.name)
+def model_sources(view: ServiceView, features: ClusterFeatures) -> tuple[list[ModelSource], str | None]:
+    """Where the pod finds the model (first) and the speculative draft model (when named); the draft's path."""
     hf_image = features.hf_download_image or engine_image(view, features)
     s3_image = features.s3_download_image
     secret = view.model.credentials.secret_name if view.model.credentials else None
@@ -193,24 +190,18 @@ def pod_template(
         view.model.uri, view.model.revision, field="spec.model.uri", hf_image=hf_image, s3_image=s3_image,
         secret_name=secret,
     )  # fmt: skip
-    sources = [model]
-    draft_path = None
     speculative = view.engine.speculative
-    if speculative is not None and speculative.draft_model is not None:
-        src = model_source(
-            speculative.draft_model, None, field="spec.engine.speculative.draftModel", hf_image=hf_image,
-            s3_image=s3_image, name="draft", secret_name=secret,
-        )  # fmt: skip
-        sources.append(src)
-        draft_path = src.path
-    args = render_args(engine_flags(view, pool, topo, model.path, draft_path, name), managed_only=True)
-    env = {"HOME": "/tmp", "HF_HOME": f"{MODELS_DIR}/.hf-home", **rank_env(name, namespace, pool.name, topo)}
-    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-    if pool.name in ("prefill", "decode"):
-        ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
-    if topo.nnodes > 1:
-        ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
-    startup_failures = math.ceil(startup_budget_s(topo) / PROBE_PERIOD_S)
+    if speculative is None or speculative.draft_model is None:
+        return [model], None
+    draft = model_source(
+        speculative.draft_model, None, field="spec.engine.speculative.draftModel", hf_image=hf_image,
+        s3_image=s3_image, name="draft", secret_name=secret,
+    )  # fmt: skip
+    return [model, draft], draft.path
+
+
+def _storage(view: ServiceView, sources: list[ModelSource]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(mounts, volumes) of the engine container: /tmp, shared memory, the model cache, and the sources' own."""
     mounts = [
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "dshm", "mountPath": "/dev/shm"},
@@ -225,22 +216,49 @@ def pod_template(
         if src.volume:
             volumes.append(src.volume)
             mounts.append(src.mount)
-    container = {
+    return sorted(mounts, key=lambda m: m["mountPath"]), sorted(volumes, key=lambda v: v["name"])
+
+
+def engine_container(
+    view: ServiceView,
+    pool: PoolView,
+    topo: Topology,
+    name: str,
+    namespace: str,
+    features: ClusterFeatures,
+    sources: tuple[list[ModelSource], str | None],
+    mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The `tidepool serve` container of every rank (before the pool's pod overrides)."""
+    models, draft_path = sources
+    args = render_args(engine_flags(view, pool, topo, models[0].path, draft_path, name), managed_only=True)
+    env = {"HOME": "/tmp", "HF_HOME": f"{MODELS_DIR}/.hf-home", **rank_env(name, namespace, pool.name, topo)}
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if pool.name in ("prefill", "decode"):
+        ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
+    if topo.nnodes > 1:
+        ports.append({"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"})
+    startup_failures = math.ceil(startup_budget_s(topo) / PROBE_PERIOD_S)
+    return {
         "name": "engine",
         "image": engine_image(view, features),
         "command": ["tidepool", "serve"],
         "args": args + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
-        "resources": container_resources(_resources(pool, topo), pod.resources),
+        "resources": container_resources(_resources(pool, topo), pool_pod(view, pool.name).resources),
         # Every rank answers these: node 0's API server, or a worker node's health endpoint (ranks > 0).
         "startupProbe": _probe("/health", PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
         "livenessProbe": _probe("/health", 10, 6),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "securityContext": container_security_context(),
-        "volumeMounts": sorted(mounts, key=lambda m: m["mountPath"]),
+        "volumeMounts": mounts,
     }
+
+
+def _placement(pod: PodOverrides, pool: PoolView, topo: Topology) -> dict[str, Any]:
+    """tolerations and nodeSelector: the pod overrides', plus the GPU taint's toleration and the GPU product."""
     tolerations = [t.to_wire() for t in pod.tolerations]
     node_selector = dict(pod.node_selector)
     if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
@@ -249,6 +267,23 @@ def pod_template(
             tolerations.insert(0, gpu_taint)
         if pool.resources.gpu_product:
             node_selector.setdefault("nvidia.com/gpu.product", pool.resources.gpu_product)
+    out: dict[str, Any] = {}
+    if tolerations:
+        out["tolerations"] = tolerations
+    if node_selector:
+        out["nodeSelector"] = dict(sorted(node_selector.items()))
+    return out
+
+
+def pod_template(
+    view: ServiceView, pool: PoolView, topo: Topology, name: str, namespace: str, features: ClusterFeatures
+) -> dict[str, Any]:
+    """The pod of every rank of a replica (multi-node ranks share it; see the module docstring). The pool's pod
+    overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
+    pod = pool_pod(view, pool.name)
+    sources = model_sources(view, features)
+    mounts, volumes = _storage(view, sources[0])
+    container = engine_container(view, pool, topo, name, namespace, features, sources, mounts)
     annotations = {
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(ENGINE_PORT),
@@ -259,14 +294,11 @@ def pod_template(
         "automountServiceAccountToken": False,  # engines never call the API server
         "securityContext": pod_security_context(),
         "terminationGracePeriodSeconds": termination_grace_s(view),
-        "initContainers": [s.init_container for s in sources if s.init_container],
+        "initContainers": [s.init_container for s in sources[0] if s.init_container],
         "containers": [container],
-        "volumes": sorted(volumes, key=lambda v: v["name"]),
+        "volumes": volumes,
+        **_placement(pod, pool, topo),
     }
-    if tolerations:
-        spec["tolerations"] = tolerations
-    if node_selector:
-        spec["nodeSelector"] = dict(sorted(node_selector.items()))
     if pod.service_account_name:
         spec["serviceAccountName"] = pod.service_account_name
     if pod.priority_class_name:

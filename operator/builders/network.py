@@ -202,6 +202,11 @@ def router_url(name: str, namespace: str) -> str:
     return f"http://{child_name(name, ROUTER_POOL)}.{namespace}.svc"
 
 
+def pool_url(name: str, namespace: str, pool: str) -> str:
+    """A pool Service's in-cluster endpoint (status.url of a service run without a router)."""
+    return f"http://{child_name(name, pool)}.{namespace}.svc:{ENGINE_PORT}"
+
+
 def service_monitor(name: str, namespace: str) -> dict[str, Any]:
     """Scrapes /metrics of every pool Service and the router Service of this InferenceService."""
     return {

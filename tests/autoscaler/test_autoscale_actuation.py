@@ -17,7 +17,7 @@ import httpx
 import pytest
 from autoscale_helpers import engine_metrics_text
 
-from tidepool.operator.api import InferenceServiceSpec
+from tidepool.operator.api import InferenceServiceSpec, ServiceView
 from tidepool.operator.autoscaler import handlers
 from tidepool.operator.autoscaler.collector import (
     Collector,
@@ -25,13 +25,24 @@ from tidepool.operator.autoscaler.collector import (
     PoolBodies,
     PrometheusSource,
     UrlTemplateSource,
+    snapshots,
     split_pod_blocks,
 )
-from tidepool.operator.autoscaler.config import config_from_spec, pool_names
+from tidepool.operator.autoscaler.config import config_from_view
 from tidepool.operator.autoscaler.policy_types import PoolBounds
 from tidepool.operator.cache import PodInfo
 
 ROUTER = '# TYPE tidepool_router_held_requests gauge\ntidepool_router_held_requests{pool="unified"} 3\n'
+
+
+def tick(auto: handlers.Autoscaler, body: Any, state: handlers.AutoscaleState) -> dict[str, Any]:
+    """One tick for the service `body` as the controller runs it: the spec parsed once, the service's own state."""
+    return dict(asyncio.run(auto.tick(("ns", "svc"), ServiceView.from_body(body), body, state)))
+
+
+def applied(body: dict[str, Any]) -> tuple[dict[str, int] | None, tuple[str, str] | None]:
+    """What the reconcile applies from this object's status."""
+    return handlers.applied_replicas(ServiceView.from_body(body), body.get("status") or {})
 
 
 def feed(pods: dict[str, str], router: str = "") -> str:
@@ -58,9 +69,10 @@ def test_url_template_source_and_collector_windows():
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as http:
             collector = Collector(UrlTemplateSource("http://feed/{namespace}/{name}/{pool}", http), window_s=30)
-            await collector.collect("ns", "svc", ("unified", "broken"), now=0.0)
-            await collector.collect("ns", "svc", ("unified", "broken"), now=10.0)
-            return collector.snapshots("ns", "svc", ("unified", "broken"))
+            windows: dict = {}
+            await collector.collect(windows, "ns", "svc", ("unified", "broken"), now=0.0)
+            await collector.collect(windows, "ns", "svc", ("unified", "broken"), now=10.0)
+            return snapshots(windows, ("unified", "broken"))
 
     snaps = asyncio.run(run())
     unified = snaps["unified"]
@@ -104,7 +116,7 @@ def test_pods_source_scrapes_ready_leaders_only():
     assert ("10.0.1.1", 8080) in hits and ("10.0.0.1", 8000) in hits and not any(h == "10.0.0.4" for h, _ in hits)
 
 
-def test_config_from_spec_reads_the_api_wire_names():
+def test_config_from_view_reads_the_api_wire_names():
     spec = InferenceServiceSpec.model_validate(
         {
             "model": {"uri": "hf://org/m"},
@@ -127,8 +139,7 @@ def test_config_from_spec_reads_the_api_wire_names():
             },
         }
     ).to_wire()
-    config = config_from_spec(spec)
-    assert pool_names(spec) == ("prefill", "decode")
+    config = config_from_view(ServiceView.from_spec(spec))
     assert config.pools == {"prefill": PoolBounds(0, 3), "decode": PoolBounds(0, 8)}
     assert config.is_advisory and config.scale_to_zero and config.idle_seconds == 120
     assert (config.ttft_p95_s, config.itl_p95_s) == (0.8, 0.04)
@@ -205,16 +216,16 @@ def run_ticks(
         window_s=60.0,
         clock=lambda: now[0],
     )
-    current = body
+    current, state = body, handlers.AutoscaleState()
     for _ in range(ticks):
-        current = asyncio.run(auto.tick(("ns", "svc"), current))
+        current = tick(auto, current, state)
         now[0] += step
     return current, kube, events
 
 
 def test_active_mode_records_the_replicas_for_the_reconcile():
     body, kube, events = run_ticks(isvc(), kv=0.9)
-    replicas, limited = handlers.applied_replicas(body)
+    replicas, limited = applied(body)
     assert replicas == {"unified": 4} and limited is None  # kv 0.9 / 0.5 on 2 pods
     assert [e[0] for e in events] == ["Scaled"]
     assert kube.patches[0]["autoscaling"]["lastScaleTime"]  # the tick that scaled
@@ -244,7 +255,7 @@ def test_status_shows_the_forecast_and_learned_capacity_behind_the_decision():
 
 def test_advisory_mode_changes_only_status():
     body, _, events = run_ticks(isvc("advisory"), kv=0.9)
-    assert handlers.applied_replicas(body) == (None, None)  # the reconcile keeps the spec's replicas
+    assert applied(body) == (None, None)  # the reconcile keeps the spec's replicas
     assert {e[0] for e in events} == {"AdvisoryScale"}
     status = body["status"]["autoscaling"]
     assert status["mode"] == "advisory" and "lastScaleTime" not in status
@@ -255,7 +266,7 @@ def test_unschedulable_pods_hold_and_set_limited():
     stuck = PodInfo("svc-unified-x", "unified", "h", None, 0, False, False, None,
                     (("Unschedulable", "0/2 nodes: Insufficient nvidia.com/gpu"),))  # fmt: skip
     body, _, _ = run_ticks(isvc(), kv=0.9, pods=[stuck])
-    replicas, limited = handlers.applied_replicas(body)
+    replicas, limited = applied(body)
     assert replicas == {"unified": 2}  # no growth
     assert limited is not None and "Insufficient nvidia.com/gpu" in limited[1]
 
@@ -267,6 +278,9 @@ def test_status_is_written_on_change_and_otherwise_at_most_every_persist_period(
     assert len(kube.patches) == 3
 
 
+Running = tuple[handlers.Autoscaler, handlers.AutoscaleState]  # an operator's autoscaler and its memory of `svc`
+
+
 class Harness:
     """One InferenceService body in a fake cluster and a fake clock shared by successive autoscalers."""
 
@@ -275,22 +289,23 @@ class Harness:
         self.now = [1_000_000.0]
         self.source = FixedSource(0.0)
 
-    def autoscaler(self) -> handlers.Autoscaler:  # a (re)started operator: nothing in memory
+    def autoscaler(self) -> Running:  # a (re)started operator: nothing in memory
         async def event(*_: Any) -> None:
             return None
 
         clock = lambda: self.now[0]  # noqa: E731
-        return handlers.Autoscaler(self.kube, lambda ns, n: [], event, self.source, 15.0, 60.0, clock=clock)
+        auto = handlers.Autoscaler(self.kube, lambda ns, n: [], event, self.source, 15.0, 60.0, clock=clock)
+        return auto, handlers.AutoscaleState()
 
-    def tick(self, auto: handlers.Autoscaler, kv: float, num_pods: int) -> int:
+    def tick(self, running: Running, kv: float, num_pods: int) -> int:
         self.source.kv, self.source.num_pods = kv, num_pods
-        self.kube.body = dict(asyncio.run(auto.tick(("ns", "svc"), self.kube.body)))
+        self.kube.body = tick(running[0], self.kube.body, running[1])
         self.now[0] += 15.0
-        replicas = handlers.applied_replicas(self.kube.body)[0]["unified"]
+        replicas = applied(self.kube.body)[0]["unified"]
         self.kube.body["status"]["pools"] = {"unified": {"desiredReplicas": replicas}}  # the reconcile's part
         return replicas
 
-    def ticks_until_below(self, auto: handlers.Autoscaler, replicas: int) -> int:
+    def ticks_until_below(self, auto: Running, replicas: int) -> int:
         for n in range(1, 40):
             if self.tick(auto, kv=0.05, num_pods=replicas) < replicas:
                 return n
@@ -303,7 +318,7 @@ def test_a_restarted_autoscaler_resumes_from_status_without_scaling_down():
     spec = isvc()
     spec["spec"]["autoscaling"]["stabilization"] = {"upSeconds": 0, "downSeconds": 120}
 
-    def grown() -> tuple[Harness, handlers.Autoscaler]:
+    def grown() -> tuple[Harness, Running]:
         h = Harness(copy.deepcopy(spec))
         auto = h.autoscaler()
         assert [h.tick(auto, kv=0.9, num_pods=2) for _ in range(2)] == [4, 4]  # kv 0.9 / 0.5 on 2 pods
@@ -350,8 +365,9 @@ def test_prometheus_federate_source_splits_series_by_pod_label():
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as http:
             collector = Collector(PrometheusSource("http://prom:9090/", http), 60.0)
-            await collector.collect("ns", "svc", ("prefill", "decode"), now=0.0)
-            return collector.snapshots("ns", "svc", ("prefill", "decode"))
+            windows: dict = {}
+            await collector.collect(windows, "ns", "svc", ("prefill", "decode"), now=0.0)
+            return snapshots(windows, ("prefill", "decode"))
 
     snaps = asyncio.run(run())
     assert 'namespace="ns"' in seen["match"] and 'pod=~"svc-.+"' in seen["match"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tidepool.operator.autoscaler.collector import Collector, PodsSource
+from tidepool.operator.autoscaler.collector import Collector, PodsSource, snapshots
 from tidepool.operator.cache import PodInfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -75,10 +75,11 @@ async def _run(servers, model: Path, tmp_path: Path) -> None:
         pods, ports = fake_pods([s.port for s in servers])
         source = PodsSource(lambda ns, name: pods, http, timeout_s=10, port_of=lambda pod: ports[pod.name])
         collector = Collector(source, 3600)
+        windows: dict = {}  # the service's own (AutoscaleState.windows in the operator)
         pools = ("unified",)
         # Phase 1 (lifetime history the window must not count), then a baseline scrape.
         await asyncio.to_thread(lambda: [load(s.url, model, tmp_path, f"p1-{i}", 16) for i, s in enumerate(servers)])
-        await collector.collect("ns", "svc", pools, now=0.0)
+        await collector.collect(windows, "ns", "svc", pools, now=0.0)
         # Phase 2 on both servers at once.
         results: dict[int, dict] = {}
 
@@ -90,8 +91,8 @@ async def _run(servers, model: Path, tmp_path: Path) -> None:
             thread.start()
         for thread in threads:
             thread.join()
-        await collector.collect("ns", "svc", pools, now=1.0)
-        snap = collector.snapshots("ns", "svc", pools)["unified"]
+        await collector.collect(windows, "ns", "svc", pools, now=1.0)
+        snap = snapshots(windows, pools)["unified"]
         assert snap.num_pods_scraped == 2 and snap.num_pods_failed == 0
         assert snap.num_requests == 2 * NUM_PROMPTS  # phase 2 only: deltas, not lifetime counts
         assert snap.kv_cache_usage == 0.0 and snap.num_running == 0  # idle again
@@ -106,8 +107,8 @@ async def _run(servers, model: Path, tmp_path: Path) -> None:
         while any(server.num_held() != 2 for server in servers):
             assert time.monotonic() < deadline, "the engines never held both of their requests"
             await asyncio.sleep(0.05)
-        await collector.collect("ns", "svc", pools, now=2.0)
-        loaded = collector.snapshots("ns", "svc", pools)["unified"]
+        await collector.collect(windows, "ns", "svc", pools, now=2.0)
+        loaded = snapshots(windows, pools)["unified"]
         for server in servers:
             server.hold(False)
         for thread in streams:

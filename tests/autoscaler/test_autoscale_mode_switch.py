@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import REGISTRY
 from test_autoscale_actuation import FakeKube, FixedSource, isvc
 
+from tidepool.operator.api import ServiceView
 from tidepool.operator.autoscaler import handlers
 
 
@@ -48,6 +49,14 @@ class ClearingKube(FakeKube):
         return await super().patch_status(kind, namespace, name, status, resource_version)
 
 
+def tick(auto: handlers.Autoscaler, key: tuple[str, str], body: Any, state: handlers.AutoscaleState) -> Any:
+    return asyncio.run(auto.tick(key, ServiceView.from_body(body), body, state))
+
+
+def applied(body: Any) -> Any:
+    return handlers.applied_replicas(ServiceView.from_body(body), body["status"])
+
+
 def autoscaler(kube: FakeKube, now: list[float]) -> handlers.Autoscaler:
     async def event(*_: Any) -> None:
         return None
@@ -59,23 +68,24 @@ def test_active_to_external_clears_status_and_series():
     key = ("ns", "to-external")
     body = service(key[1], "active")
     kube = ClearingKube(body)
-    auto = autoscaler(kube, [1_000_000.0])
-    body = asyncio.run(auto.tick(key, body))
+    auto, state = autoscaler(kube, [1_000_000.0]), handlers.AutoscaleState()
+    body = tick(auto, key, body, state)
     assert body["status"]["autoscaling"]["mode"] == "active"
-    assert handlers.applied_replicas(body)[0] == {"unified": 4}
+    assert applied(body)[0] == {"unified": 4}
     names = {n for n, _ in series_of(key[1])}
     assert {"tidepool_autoscaler_desired_replicas", "tidepool_autoscaler_decisions_total"} <= names
 
     body = copy.deepcopy(body)
     body["spec"]["autoscaling"]["mode"] = "external"
+    body["spec"]["replicas"] = 4  # external mode needs the scale subresource's field (the API server insists)
     kube.body = body
-    assert not handlers.is_autoscaled(body)
-    cleared = asyncio.run(auto.clear(key, body))
+    assert not ServiceView.from_body(body).is_autoscaled
+    cleared = asyncio.run(auto.clear(key, body, state))
     assert "autoscaling" not in cleared["status"]
     assert kube.patches[-1] == {"autoscaling": None}
     assert series_of(key[1]) == []
     writes = len(kube.patches)
-    assert asyncio.run(auto.clear(key, cleared)) is cleared  # nothing stale: no write
+    assert asyncio.run(auto.clear(key, cleared, state)) is cleared  # nothing stale: no write
     assert len(kube.patches) == writes
 
 
@@ -84,9 +94,9 @@ def test_active_to_advisory_starts_afresh():
     body = service(key[1], "active")
     now = [1_000_000.0]
     kube = ClearingKube(body)
-    auto = autoscaler(kube, now)
+    auto, state = autoscaler(kube, now), handlers.AutoscaleState()
     for _ in range(2):
-        body = asyncio.run(auto.tick(key, body))
+        body = tick(auto, key, body, state)
         now[0] += 15.0
     before = body["status"]["autoscaling"]
     assert before["mode"] == "active" and before["lastScaleTime"] and before["recommendations"]
@@ -95,19 +105,20 @@ def test_active_to_advisory_starts_afresh():
     body = copy.deepcopy(body)
     body["spec"]["autoscaling"]["mode"] = "advisory"
     kube.body = body
-    after = asyncio.run(auto.tick(key, body))["status"]["autoscaling"]
+    after = tick(auto, key, body, state)["status"]["autoscaling"]
     assert after["mode"] == "advisory"
     assert "lastScaleTime" not in after  # the active mode's scale is not the advisory mode's
     assert [r["time"] for r in after["recommendations"]] == [handlers._rfc3339(now[0])]  # only this tick's
-    assert handlers.applied_replicas(kube.body) == (None, None)  # advisory: nothing applied
+    assert applied(kube.body) == (None, None)  # advisory: nothing applied
     assert {labels["mode"] for _, labels in series_of(key[1]) if "mode" in labels} == {"advisory"}
 
 
-def test_forget_drops_the_series_of_a_deleted_service():
+def test_reset_drops_the_series_of_a_deleted_service():
     key = ("ns", "gone")
     body = service(key[1], "active")
-    auto = autoscaler(ClearingKube(body), [1_000_000.0])
-    asyncio.run(auto.tick(key, body))
-    assert series_of(key[1])
-    auto.forget(key)
+    state = handlers.AutoscaleState()
+    tick(autoscaler(ClearingKube(body), [1_000_000.0]), key, body, state)
+    assert series_of(key[1]) and state.history is not None and state.windows
+    state.reset()  # what the controller does when the service is gone (ServiceSync.forget)
     assert series_of(key[1]) == []
+    assert (state.history, state.next_tick, state.windows) == (None, 0.0, {})

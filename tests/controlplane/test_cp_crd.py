@@ -36,7 +36,7 @@ from tidepool.operator.api import (
     status_patch,
     validate_spec,
 )
-from tidepool.operator.builders import ClusterFeatures
+from tidepool.operator.builders import ClusterFeatures, ServiceView
 from tidepool.operator.reconcile import desire
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
@@ -216,7 +216,7 @@ def test_accepted_pod_edge_cases_give_pods_the_api_server_accepts(control_plane,
     body["metadata"]["name"] = f"edge-{name}"
     edit(body)
     stored = _create(control_plane, crd_namespace, body)
-    children = desire(stored, ClusterFeatures(), None).children
+    children = desire(ServiceView.from_body(stored), stored["metadata"], ClusterFeatures(), None).children
     assert children
     for child in children:
         out = control_plane.kubectl(

@@ -10,53 +10,30 @@ from typing import Any
 
 import pytest
 import yaml
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
-    OperatorProcess,
+from operator_kit import (
     bind_claims,
     children,
     claims_in,
     condition,
     get_isvc,
-    install_crd,
     is_ready,
     load_example,
-    operator_identity,
     pod_is_ready,
     pods,
-    restricted_namespace,
     wait_until,
 )
 
 from tidepool.operator.api import InferenceServiceSpec
-from tidepool.operator.builders import ServiceView, build_children
+from tidepool.operator.builders import ServiceView, desired_state
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
 SAMPLES = ("inferenceservice-unified.yaml", "inferenceservice-disaggregated.yaml")
 
 
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
-
-
-@pytest.fixture
-def operator(control_plane, cp_namespace, identity, tmp_path):
-    restricted_namespace(control_plane, cp_namespace)
-    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    forbidden = op.forbidden_lines()
-    assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
-
-
 def expected_children(name: str, namespace: str, spec: dict[str, Any]) -> set[tuple[str, str]]:
     view = ServiceView.from_spec(InferenceServiceSpec.model_validate(spec).to_wire())
-    return {(c["kind"], c["metadata"]["name"]) for c in build_children(name, namespace, view)}
+    return {(c["kind"], c["metadata"]["name"]) for c in desired_state(name, namespace, view).children}
 
 
 def apply_isvc(cluster, namespace: str, obj: dict[str, Any]) -> None:

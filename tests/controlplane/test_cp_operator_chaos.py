@@ -17,7 +17,7 @@ import pytest
 import yaml
 from autoscale_feed import Feed, feed_server
 from kubernetes import client, watch
-from test_cp_operator_support import (
+from operator_kit import (
     NodeLeaseKeeper,
     OperatorProcess,
     children,
@@ -32,7 +32,7 @@ from test_cp_operator_support import (
 )
 
 from tidepool.operator.api import InferenceServiceSpec
-from tidepool.operator.builders import ServiceView, build_children
+from tidepool.operator.builders import ServiceView, desired_state
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(900)]
 
@@ -67,7 +67,7 @@ def apply(cluster, namespace: str, name: str, spec: dict[str, Any]) -> None:
 
 def planned(name: str, namespace: str, spec: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     view = ServiceView.from_spec(InferenceServiceSpec.model_validate(spec).to_wire())
-    return {(c["kind"], c["metadata"]["name"]): c for c in build_children(name, namespace, view)}
+    return {(c["kind"], c["metadata"]["name"]): c for c in desired_state(name, namespace, view).children}
 
 
 def converged(cluster, namespace: str, live: dict[str, dict[str, Any]]) -> str | None:

@@ -13,18 +13,14 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
-    OperatorProcess,
+from operator_kit import (
     bind_claims,
     children,
     claims_in,
     custom_api,
     get_isvc,
-    install_crd,
     is_ready,
     load_example,
-    operator_identity,
     pod_is_ready,
     pods,
     restricted_namespace,
@@ -32,7 +28,7 @@ from test_cp_operator_support import (
 )
 
 from tidepool.operator.api import GROUP, PLURAL, VERSION, InferenceServiceSpec, validate_spec
-from tidepool.operator.builders import ServiceView, build_children
+from tidepool.operator.builders import ServiceView, desired_state
 from tidepool.operator.builders.common import container_security_context, pod_security_context
 from tidepool.operator.reconcile import contains
 
@@ -89,24 +85,6 @@ ROUTER = {
 }
 
 
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("operator-identity"))
-
-
-@pytest.fixture
-def operator(control_plane, cp_namespace, identity, tmp_path):
-    restricted_namespace(control_plane, cp_namespace)
-    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    forbidden = op.forbidden_lines()
-    assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
-
-
 def _objects(namespace: str) -> list[dict[str, Any]]:
     """What the overrides name: a RuntimeClass (admission refuses pods naming a missing one), Secrets, a ConfigMap."""
     meta = {"namespace": namespace}
@@ -146,7 +124,7 @@ def test_overrides_land_in_pods_admitted_by_a_restricted_namespace(control_plane
     # What the operator applied reads back equal to what the builders render: no write on every reconcile.
     desired = {
         (c["kind"], c["metadata"]["name"]): c
-        for c in build_children("overrides", ns, ServiceView.from_spec(obj["spec"]))
+        for c in desired_state("overrides", ns, ServiceView.from_spec(obj["spec"])).children
     }
     found = children(control_plane, ns, "overrides")
     for key in (("Deployment", "overrides-unified"), ("Deployment", "overrides-router")):

@@ -15,9 +15,8 @@ from api_cases_pod import POD_CASES, VALID_POD_EDITS
 from api_cases_resources import RESOURCE_CASES, VALID_RESOURCE_EDITS
 from pydantic import ValidationError
 
-from tidepool.operator.api import InferenceService, rules, types, validate_spec
-from tidepool.operator.builders import ClusterFeatures
-from tidepool.operator.reconcile import spec_problem
+from tidepool.operator.api import InferenceService, ServiceView, rules, types, validate_spec
+from tidepool.operator.builders import ClusterFeatures, desired_state
 
 VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS)
 INVALID_CASES: tuple[Case, ...] = (
@@ -386,4 +385,4 @@ def test_what_kubernetes_accepts_in_a_pod_is_accepted(name: str, edit) -> None:
     body["metadata"].update(namespace="ns", uid="00000000-0000-0000-0000-000000000001")
     spec, _ = InferenceService.from_body(body)
     assert validate_spec(spec, body["metadata"]["name"]) == []
-    assert spec_problem(body, ClusterFeatures(), None) == ""
+    assert desired_state("svc", "ns", ServiceView.from_body(body), ClusterFeatures()).children  # builds

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tidepool.operator.api import InferenceServiceSpec
-from tidepool.operator.builders import ClusterFeatures, ServiceView, SpecError, build_children
+from tidepool.operator.builders import ClusterFeatures, ServiceView, SpecError, desired_state
 
 UNIFIED = {
     "model": {"uri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"},
@@ -42,7 +42,7 @@ def spec(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
 
 
 def build(s: dict[str, Any], features: ClusterFeatures | None = None, **kw: Any) -> list[dict[str, Any]]:
-    return build_children("svc", "ns", ServiceView.from_spec(s), features, **kw)
+    return desired_state("svc", "ns", ServiceView.from_spec(s), features, **kw).children
 
 
 def by_key(children: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:

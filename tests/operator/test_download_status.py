@@ -8,8 +8,9 @@ import pytest
 
 from tidepool.operator.api import InferenceServiceStatus
 from tidepool.operator.cache import pod_info
+from tidepool.operator.observe import PoolObservation, downloads_in_progress, pod_problems
 from tidepool.operator.pod_problems import DOWNLOAD_FAILED, container_problems
-from tidepool.operator.status import Outcome, PoolObservation, build_status, downloads_in_progress, pod_problems
+from tidepool.operator.status import Outcome, build_status
 
 REASON_401 = "401 Unauthorized for org/m@main at https://huggingface.co: the token in Secret hf-token key HF_TOKEN is missing or invalid"  # noqa: E501
 

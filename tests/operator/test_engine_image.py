@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from tidepool.cli import build_parser as tidepool_parser
-from tidepool.operator.api import DEFAULT_ENGINE_IMAGE
-from tidepool.operator.builders import ClusterFeatures, build_children
+from tidepool.operator.api import DEFAULT_ENGINE_IMAGE, ServiceView
+from tidepool.operator.builders import ClusterFeatures, desired_state
 from tidepool.operator.crdgen import build_crd
 from tidepool.operator.main import build_parser as operator_parser
 
@@ -20,7 +20,7 @@ from tidepool.operator.main import build_parser as operator_parser
 def images(spec: dict[str, Any], features: ClusterFeatures) -> dict[str, set[str]]:
     """Container and init-container images by workload name."""
     out: dict[str, set[str]] = {}
-    for child in build_children("svc", "ns", spec, features):
+    for child in desired_state("svc", "ns", ServiceView.from_spec(spec), features).children:
         if child["kind"] != "Deployment":
             continue
         pod = child["spec"]["template"]["spec"]

@@ -17,7 +17,7 @@ import yaml
 
 from tidepool.contract import metrics_names as names
 from tidepool.operator.autoscaler import handlers
-from tidepool.operator.builders import SCALED_POOL, ClusterFeatures, ServiceView, build_children
+from tidepool.operator.builders import SCALED_POOL, ClusterFeatures, ServiceView, desired_state
 from tidepool.operator.builders.inference_pool import API_VERSION
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -77,9 +77,9 @@ def test_httproute_backend_is_the_pool_the_operator_builds() -> None:
     route = load("gateway-httproute.yaml")
     service = load("inferenceservice-disaggregated.yaml")
     spec = {**service["spec"], "inferencePool": {"endpointPicker": {"name": "llama-8b-epp"}}}
-    children = build_children(
+    children = desired_state(
         service["metadata"]["name"], "default", ServiceView.from_spec(spec), ClusterFeatures(has_inference_pool=True)
-    )
+    ).children
     (pool,) = [c for c in children if c["kind"] == "InferencePool"]
     (rule,) = route["spec"]["rules"]
     (backend,) = rule["backendRefs"]

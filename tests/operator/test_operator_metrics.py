@@ -126,7 +126,7 @@ def test_api_requests_are_counted_by_code_method_and_host():
 
 def test_each_cached_service_condition_is_a_series_and_goes_with_the_service():
     api, ctrl = with_controller()
-    asyncio.run(ctrl.sync((NS, NAME)))
+    asyncio.run(ctrl.services.sync((NS, NAME)))
     labels = {"namespace": NS, "name": NAME}
     metric = "tidepool_inferenceservice_status_condition"
     assert sample(metric, **labels, type="Ready", status="False") == 1  # no pods yet

@@ -326,7 +326,7 @@ def test_a_spec_the_api_server_would_refuse_is_refused_by_the_operator_with_a_co
     object may predate the rule): the operator refuses the spec (Degraded, InvalidSpec, the rule's message
     saying what to change) and applies nothing."""
     api, ctrl = with_controller({**SPEC, "pod": {"resources": {"limits": {"memory": "512Mi"}}}})  # requests 1Gi
-    asyncio.run(ctrl.sync((NS, NAME), False))
+    asyncio.run(ctrl.services.sync((NS, NAME), False))
     assert api.calls["apply"] == 0
     degraded = api.condition("Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"

@@ -6,9 +6,9 @@ from fractions import Fraction
 
 import pytest
 
-from tidepool.operator.api import InferenceServiceSpec, canonical_quantity, quantity_value
+from tidepool.operator.api import InferenceServiceSpec, ServiceView, canonical_quantity, quantity_value
 from tidepool.operator.api.quantity import is_quantity
-from tidepool.operator.builders import build_children
+from tidepool.operator.builders import desired_state
 
 # Shared with tests/controlplane/test_cp_quantity.py, which sends each one through a real API server.
 CANONICAL_CASES: list[tuple[str | int, str]] = [
@@ -79,7 +79,8 @@ def test_builders_emit_what_the_api_server_stores() -> None:
             "modelCache": {"persistentVolumeClaim": {"claimName": "weights", "size": "5120Mi"}},
         }
     )
-    children = {(c["kind"], c["metadata"]["name"]): c for c in build_children("svc", "ns", spec)}
+    built = desired_state("svc", "ns", ServiceView.from_spec(spec)).children
+    children = {(c["kind"], c["metadata"]["name"]): c for c in built}
     container = children[("Deployment", "svc-unified")]["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"] == {"cpu": "500m", "memory": "1Gi", "nvidia.com/gpu": "1"}
     assert container["resources"]["limits"] == container["resources"]["requests"]

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from fake_api import NAME, NS, SPEC, FakeApi, with_controller
 
+from tidepool.operator.api import InferenceServiceSpec
+from tidepool.operator.autoscaler.handlers import Autoscaler
 from tidepool.operator.controller import Controller
 from tidepool.operator.reconcile import contains, plan
 
@@ -17,7 +19,7 @@ KEY = (NS, NAME)
 
 
 def sync(ctrl: Controller, full: bool = False) -> None:
-    asyncio.run(ctrl.sync(KEY, full))
+    asyncio.run(ctrl.services.sync(KEY, full))
 
 
 def pods_ready(api: FakeApi, workload: str, pool: str, count: int, prefix: str = "p") -> None:
@@ -223,7 +225,7 @@ def test_autoscaler_replicas_come_from_status_and_survive_a_restart():
         "autoscaling": {"mode": "active", "pools": {"unified": {"desiredReplicas": 3}}, "limited": "capped at 3"}
     }
     api.put_service(spec)
-    ctrl.autoscaler = None  # no tick: only what status holds matters
+    ctrl.services.autoscaler = None  # no tick: only what status holds matters
     sync(ctrl)
     assert api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 3  # not the spec's 2
     assert api.service()["status"]["pools"]["unified"]["desiredReplicas"] == 3
@@ -353,3 +355,44 @@ def test_claim_kept_is_told_once_while_it_lasts():
     resize("10Gi", 4)  # ... and asks to shrink it again: told again
     assert kept() == 2
     assert api.objects[("PersistentVolumeClaim", "weights")]["spec"]["resources"]["requests"]["storage"] == "40Gi"
+
+
+class NoMetrics:
+    """A metrics source with nothing to report (the autoscaler holds, and writes its status)."""
+
+    async def fetch(self, namespace: str, name: str, pools: Any) -> dict[str, Any]:
+        return {}
+
+
+def test_an_autoscaled_sync_parses_the_spec_once(monkeypatch: pytest.MonkeyPatch):
+    """One ServiceView per sync, handed to the autoscaler and the builders: nobody validates the spec again."""
+    spec = copy.deepcopy(SPEC)
+    spec["autoscaling"] = {"enabled": True}
+    api, ctrl = with_controller(spec)
+    ctrl.services.autoscaler = Autoscaler(api, ctrl.store.pods_in, ctrl.events.post, NoMetrics(), 15.0, 60.0)
+    sync(ctrl, full=True)  # warm: children exist
+    assert api.service()["status"]["autoscaling"]["mode"] == "active"  # the autoscaler ticked
+    ctrl.services.states[KEY].autoscale.next_tick = 0.0  # and ticks again in the sync below
+    parsed: list[Any] = []
+    original = InferenceServiceSpec.model_validate
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(InferenceServiceSpec, "model_validate", counting)
+    sync(ctrl, full=True)
+    assert len(parsed) == 1
+
+
+def test_a_service_has_one_state_from_first_sight_until_it_is_gone():
+    api, ctrl = with_controller()
+    assert KEY not in ctrl.services.states
+    sync(ctrl)
+    state = ctrl.services.states[KEY]
+    assert state.verified is not None and state.resync_due is not None and state.status_written_at is not None
+    sync(ctrl)
+    assert ctrl.services.states[KEY] is state  # the same object for the service's whole life
+    api.store.delete(api.objects.pop(("InferenceService", NAME)))
+    sync(ctrl)
+    assert KEY not in ctrl.services.states and not ctrl.services.is_known(KEY)

@@ -11,7 +11,7 @@ import copy
 from fake_api import NAME, NS, SPEC, with_controller
 
 from tidepool.operator.api import InferenceServiceStatus, PoolStatus
-from tidepool.operator.reconcile import is_routine
+from tidepool.operator.status_write import is_routine
 
 KEY = (NS, NAME)
 
@@ -66,19 +66,19 @@ def test_counts_are_paced_transitions_are_not_and_the_latest_count_is_written():
     assert interval > 0
 
     async def run() -> None:
-        await ctrl.sync(KEY)  # the first status: written
+        await ctrl.services.sync(KEY)  # the first status: written
         assert api.calls["patch_status"] == 1
         router = f"{NAME}-router"
         api.add_pod(f"{router}-0", "router", api.hash_of(router))
         api.add_pod(f"{NAME}-unified-0", "unified", api.hash_of(f"{NAME}-unified"))
-        await ctrl.sync(KEY)  # Ready goes True: a transition, written at once however recent the last write
+        await ctrl.services.sync(KEY)  # Ready goes True: a transition, written at once however recent the last write
         assert api.calls["patch_status"] == 2 and api.condition("Ready")["status"] == "True"
 
         # 38 pods, each its own event and sync, inside one interval: counts only, nothing written yet.
         for i in range(1, 39):
             clock.now += interval / 50
             api.add_pod(f"{NAME}-unified-{i}", "unified", api.hash_of(f"{NAME}-unified"))
-            await ctrl.sync(KEY)
+            await ctrl.services.sync(KEY)
         assert api.calls["patch_status"] == 2
         assert api.service()["status"]["pools"]["unified"]["readyReplicas"] == 1
         assert ctrl.queue.num_delayed == 1  # one wake-up for the key, not one per deferred sync
@@ -86,21 +86,21 @@ def test_counts_are_paced_transitions_are_not_and_the_latest_count_is_written():
         assert 0 < ctrl.queue.fire_due() <= interval  # not due yet
         clock.now += interval  # due: the timer adds the key, and its sync writes the latest counts
         assert ctrl.queue.fire_due() is None and ctrl.queue.num_delayed == 0
-        await ctrl.sync(KEY)
+        await ctrl.services.sync(KEY)
         assert api.calls["patch_status"] == 3
         assert api.service()["status"]["pools"]["unified"]["readyReplicas"] == 39
 
         # The 40th pod completes the rollout (Progressing goes False): written at once.
         clock.now += interval / 50
         api.add_pod(f"{NAME}-unified-39", "unified", api.hash_of(f"{NAME}-unified"))
-        await ctrl.sync(KEY)
+        await ctrl.services.sync(KEY)
         assert api.calls["patch_status"] == 4
         assert api.condition("Progressing")["status"] == "False"
         assert api.service()["status"]["pools"]["unified"]["readyReplicas"] == 40
 
         # Nothing changed: nothing written, nothing scheduled.
         clock.now += 10 * interval
-        await ctrl.sync(KEY)
+        await ctrl.services.sync(KEY)
         assert api.calls["patch_status"] == 4 and ctrl.queue.fire_due() is None
 
     asyncio.run(run())
@@ -111,10 +111,10 @@ def test_a_routine_change_after_a_quiet_interval_is_written_at_once():
     api, ctrl = with_controller(pool_spec(4), clock)
 
     async def run() -> None:
-        await ctrl.sync(KEY)
+        await ctrl.services.sync(KEY)
         api.add_pod(f"{NAME}-unified-0", "unified", api.hash_of(f"{NAME}-unified"), ready=False)
         clock.now += ctrl.options.status_interval_seconds  # the last write is an interval old
-        await ctrl.sync(KEY)
+        await ctrl.services.sync(KEY)
         assert api.calls["patch_status"] == 2 and ctrl.queue.num_delayed == 0
         assert api.service()["status"]["pools"]["unified"]["replicas"] == 1
 

@@ -10,15 +10,15 @@ import yaml
 
 from tidepool.engine.server.cli import build_parser
 from tidepool.engine.server.tools.parsers import check_tool_flags
-from tidepool.operator.api import InferenceServiceSpec, validate_spec
-from tidepool.operator.builders import ClusterFeatures, build_children
+from tidepool.operator.api import InferenceServiceSpec, ServiceView, validate_spec
+from tidepool.operator.builders import ClusterFeatures, desired_state
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples/inferenceservice-tool-calling.yaml"
 
 
 def _engine_args(name: str, spec: dict[str, Any]) -> list[list[str]]:
     out = []
-    for child in build_children(name, "ns", spec, ClusterFeatures()):
+    for child in desired_state(name, "ns", ServiceView.from_spec(spec), ClusterFeatures()).children:
         if child["kind"] == "Deployment" and child["spec"]["template"]["spec"]["containers"][0]["name"] == "engine":
             out.append(child["spec"]["template"]["spec"]["containers"][0]["args"])
     return out

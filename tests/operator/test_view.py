@@ -22,10 +22,11 @@ from tidepool.operator.api import (
     SpecError,
     serve_flag_fields,
 )
+from tidepool.operator.api.spec import Resources
 from tidepool.operator.autoscaler import handlers
-from tidepool.operator.autoscaler.config import config_from_spec, declared_replicas, is_enabled
+from tidepool.operator.autoscaler.config import config_from_view
 from tidepool.operator.autoscaler.policy_types import AutoscaleConfig, PoolBounds
-from tidepool.operator.builders import ClusterFeatures, build_children
+from tidepool.operator.builders import ClusterFeatures, desired_state
 from tidepool.operator.builders.engine import DRAIN_MARGIN_S, PRESTOP_SLEEP_S
 
 MINIMAL: dict[str, Any] = {"model": {"uri": "hf://org/model"}}  # the one required field
@@ -42,22 +43,46 @@ def test_the_wire_dict_and_the_model_give_one_view() -> None:
     assert ServiceView.from_spec(from_dict) is from_dict
 
 
-def test_every_field_omitted_yields_the_api_defaults_in_the_view() -> None:
+def test_every_field_omitted_yields_the_documented_defaults_in_the_view() -> None:
+    """The defaults the CRD documents, written out by hand: a changed default must be a deliberate edit here."""
     view = ServiceView.from_spec(MINIMAL)
-    pool_default = PoolSpec()
     (pool,) = view.pools.values()
+    assert (view.mode, view.scaled_pool, view.pool_names) == ("unified", "unified", ("unified",))
     assert (pool.name, pool.is_scaled) == ("unified", True)
-    assert (pool.replicas, pool.min_replicas, pool.max_replicas) == (
-        pool_default.replicas,
-        pool_default.min_replicas,
-        pool_default.max_replicas,
-    )
-    assert pool.resources == InferenceServiceSpec.model_validate(MINIMAL).resources
-    assert view.engine == EngineSpec() and view.autoscaling == AutoscalingSpec()
+    assert (pool.replicas, pool.min_replicas, pool.max_replicas) == (1, 1, 4)
+    assert pool.resources == Resources(gpus_per_replica=1, gpu_product=None, cpu=None, memory=None)
+    assert (view.parallelism.tensor, view.parallelism.pipeline) == (1, 1)
+    assert (view.router.replicas, view.router.policy) == (1, "prefix-aware")
+    assert (view.rollout.max_surge, view.rollout.max_unavailable) == (1, 0)
+    assert (view.quantization, view.model.revision, view.engine.image) == (None, None, None)
+    assert (view.engine.max_num_seqs, view.engine.drain_timeout_seconds) == (256, 30)
+    assert (view.autoscaling.enabled, view.autoscaling.mode, view.is_autoscaled) == (False, "active", False)
+    assert view.declared_replicas == {"unified": 1}
+
+
+@pytest.mark.parametrize(
+    ("autoscaling", "ticks"),
+    [
+        ({"enabled": True}, True),
+        ({"enabled": True, "mode": "advisory"}, True),
+        ({"mode": "active"}, False),
+        ({"enabled": True, "mode": "external"}, False),
+    ],
+    ids=["enabled", "advisory", "disabled", "external"],
+)
+def test_the_autoscaler_ticks_only_when_enabled_and_not_external(autoscaling: dict[str, Any], ticks: bool) -> None:
+    assert ServiceView.from_spec({**MINIMAL, "replicas": 1, "autoscaling": autoscaling}).is_autoscaled is ticks
+
+
+def test_the_name_is_checked_when_the_view_comes_from_an_object() -> None:
+    body = {"metadata": {"name": "x" * 60}, "spec": MINIMAL}
+    ServiceView.from_spec(MINIMAL)  # the spec alone is fine
+    with pytest.raises(SpecError):
+        ServiceView.from_body(body)
 
 
 def test_every_field_omitted_yields_the_api_defaults_in_every_child() -> None:
-    children = build_children("svc", "ns", MINIMAL)
+    children = desired_state("svc", "ns", ServiceView.from_spec(MINIMAL)).children
     engine = by_name(children, "Deployment", "svc-unified")
     router = by_name(children, "Deployment", "svc-router")
     pod = engine["spec"]["template"]["spec"]
@@ -82,7 +107,7 @@ def test_every_field_omitted_yields_the_api_defaults_in_every_child() -> None:
 
 
 def test_every_field_omitted_yields_the_api_defaults_in_the_autoscaler() -> None:
-    config = config_from_spec(MINIMAL)
+    config = config_from_view(ServiceView.from_spec(MINIMAL))
     api = AutoscalingSpec()
     assert config.pools == {"unified": PoolBounds(PoolSpec().min_replicas, PoolSpec().max_replicas)}
     assert config.is_advisory == (api.mode == "advisory")
@@ -95,7 +120,7 @@ def test_every_field_omitted_yields_the_api_defaults_in_the_autoscaler() -> None
     assert (config.pd_ratio_min, config.pd_ratio_max) == (api.prefill_decode_ratio.min, api.prefill_decode_ratio.max)
     # The policy's own defaults (the simulator uses them) are the API's too: nothing was copied by hand.
     assert AutoscaleConfig(pools=config.pools) == config
-    assert is_enabled(MINIMAL) is api.enabled
+    assert ServiceView.from_spec(MINIMAL).is_autoscaled is api.enabled
 
 
 @pytest.mark.parametrize(
@@ -111,14 +136,16 @@ def test_every_field_omitted_yields_the_api_defaults_in_the_autoscaler() -> None
     ids=["pool-replicas", "spec-replicas-wins", "spec-replicas-is-decodes"],
 )
 def test_spec_replicas_means_the_same_to_every_reader(spec: dict[str, Any], expected: dict[str, int]) -> None:
-    assert ServiceView.from_spec(spec).declared_replicas == expected
-    children = build_children("svc", "ns", spec)
+    view = ServiceView.from_spec(spec)
+    assert view.declared_replicas == expected
+    desired = desired_state("svc", "ns", view)
+    children = desired.children
     assert {pool: by_name(children, "Deployment", f"svc-{pool}")["spec"]["replicas"] for pool in expected} == expected
-    assert declared_replicas(spec) == expected
+    assert {layout.name: layout.desired for layout in desired.pools} == expected
 
     body = {"metadata": {"namespace": "ns", "name": "svc"}, "spec": spec, "status": {}}
     autoscaler = handlers.Autoscaler(None, lambda namespace, name: [], None, None, interval_s=15, window_s=60)
-    states = autoscaler._current(("ns", "svc"), body, list(expected))
+    states = autoscaler._current(("ns", "svc"), view, body)
     assert {pool: state.replicas for pool, state in states.items()} == expected  # the autoscaler's starting point
 
 
@@ -127,7 +154,6 @@ def test_a_spec_breaking_a_rule_is_a_spec_error_and_a_bad_shape_a_validation_err
         ServiceView.from_spec({**MINIMAL, "pools": {"unified": {"minReplicas": 5, "replicas": 5, "maxReplicas": 4}}})
     with pytest.raises(ValidationError):
         ServiceView.from_spec({**MINIMAL, "engine": {"maxNumSeqs": 0}})
-    assert is_enabled({**MINIMAL, "autoscaling": {"enabled": True}, "engine": {"maxNumSeqs": 0}}) is False
 
 
 def test_the_view_owns_its_copy() -> None:

@@ -29,7 +29,7 @@ import pytest
 
 from tidepool.engine.distributed.health import NodeHealth, serve_health
 from tidepool.engine.distributed.launch import free_port
-from tidepool.operator.builders import ClusterFeatures, build_children
+from tidepool.operator.builders import ClusterFeatures, ServiceView, desired_state
 
 START_TIMEOUT_S = 600.0  # four torch processes loading on a busy 2-core machine
 STOP_TIMEOUT_S = 120.0
@@ -107,7 +107,8 @@ def rendered_rank_pod() -> dict[str, Any]:
         # CPU-only machine: the engine flags a user may add to run this group on CPUs.
         "engine": {"maxModelLen": 256, "extraArgs": ["--device=cpu", "--num-kv-blocks=64"]},
     }
-    workloads = [c for c in build_children("svc", "ns", spec, ClusterFeatures()) if c["kind"] in ENGINE_KINDS]
+    children = desired_state("svc", "ns", ServiceView.from_spec(spec), ClusterFeatures()).children
+    workloads = [c for c in children if c["kind"] in ENGINE_KINDS]
     groups = [w for w in workloads if w["kind"] == "StatefulSet" and w["spec"]["replicas"] == 2]
     assert groups, "a tp2 x pp2 replica is a group of two pods"
     return groups[0]["spec"]["template"]["spec"]["containers"][0]
