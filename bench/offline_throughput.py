@@ -300,10 +300,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from tidepool.engine import LLM
-    from tidepool.engine.config import ModelConfig
+    from tidepool.engine.loading.formats import read_model_config
 
     model_dir, model_name = resolve_model(args)
-    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    vocab = read_model_config(model_dir).vocab_size
     llm = LLM(
         str(model_dir),
         dtype=args.dtype,

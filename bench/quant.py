@@ -74,7 +74,7 @@ def decode_step_s(llm: Any, context_len: int, steps: int) -> float:
 
 def measure(path: Path, token_ids: torch.Tensor, args: argparse.Namespace) -> dict[str, float]:
     from tidepool.engine.llm import LLM
-    from tidepool.engine.models.loader import load_model
+    from tidepool.engine.loading.loader import load_model
     from tidepool.engine.quant.perplexity import perplexity
     from tidepool.engine.quant.runtime import weight_bytes
 
@@ -97,7 +97,7 @@ def measure(path: Path, token_ids: torch.Tensor, args: argparse.Namespace) -> di
 
 
 def main() -> None:
-    from tidepool.engine.quant.cli import quantize_folder
+    from tidepool.engine.loading.quantized_copy import quantize_folder
 
     cache = Path.home() / ".cache" / "tidepool" / "models"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -1,6 +1,9 @@
 """Model configuration read from a Hugging Face `config.json` (or a GGUF file's metadata), validated with clear errors.
 
-Accepts both the classic fields Hub checkpoints carry (`rope_theta`, `rope_scaling`) and the
+`ModelConfig.from_dict` is the one validation path: a folder's config.json (`from_folder`) and a GGUF
+file's metadata (`engine/gguf/config.py`, translated into the same fields) both go through it. Which of
+the two a path is, the format registry decides (`engine/loading/formats.py`); this module imports no
+format code. Accepts both the classic fields Hub checkpoints carry (`rope_theta`, `rope_scaling`) and the
 `rope_parameters` dict that transformers 5 writes. Invariant: a `ModelConfig` that exists
 describes a model this engine can run; anything else raised `ValueError` naming the field.
 """
@@ -43,23 +46,9 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """From a Hugging Face folder's config.json, or from a GGUF file's metadata (`engine/gguf/config.py`)."""
-        from .gguf.detect import is_gguf_file
-
-        if is_gguf_file(path):
-            from .gguf.config import model_config_from_gguf
-            from .gguf.reader import open_gguf
-
-            return model_config_from_gguf(open_gguf(path))
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"config.json not found in model folder {path}")
-        try:
-            raw = json.loads(config_path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{config_path} is not valid JSON: {err}") from err
-        return cls.from_dict(raw, source=str(config_path))
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        """From a Hugging Face folder's config.json (a GGUF file's metadata: `engine/gguf/config.py`)."""
+        return cls.from_dict(read_config_json(folder), source=str(folder / "config.json"))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -120,6 +109,20 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=raw.get("bos_token_id"),
         )
+
+
+def read_config_json(folder: Path) -> dict[str, Any]:
+    """A model folder's config.json as a dict; FileNotFoundError / ValueError naming the file."""
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"config.json not found in model folder {folder}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:

@@ -23,12 +23,14 @@ import torch
 from .config import ModelConfig
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
-from .gguf.detect import is_gguf_file
 from .kv_cache import KVCacheManager
+from .kv_transfer import KVConnector
 from .kv_transfer.handoff import KVHandoff
 from .layers.linear import uses_compiled_gemv
+from .loading.formats import detect_format, read_model_config
+from .loading.loader import load_model
+from .loading.prepare import prepare_quantized
 from .model_runner import ModelRunner, kv_bytes_per_block
-from .models.loader import load_model
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .spec_decode.speculator import Speculator
@@ -56,7 +58,7 @@ class EngineParts:
     sampler: Sampler
     runner: ModelRunner
     speculator: Speculator | None
-    handoff: KVHandoff | None
+    kv_connector: KVConnector | None  # the P/D hand-off's transport (prefill/decode roles), for the server
     hooks: list[StepHook]  # in registration order
     startup_phases: dict[str, float]  # seconds per start phase (startup_phases.PHASES order), for logs and metrics
 
@@ -65,38 +67,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
     clock = StartupClock(IMPORT_S)
     config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
     if config.quantization is not None:
-        from .quant.prepare import prepare_quantized
-
         quantized = prepare_quantized(config.model, config.quantization)
         config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
     clock.mark("resolve")
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
     clock.mark("tokenizer")
-    rc = resolve(config, ModelConfig.from_pretrained(config.model))
+    rc = resolve(config, read_model_config(config.model))
     threads = configure_threads(config.num_threads, is_cpu=rc.device.type == "cpu")
     clock.mark("resolve")
-    executor: MultiprocExecutor | None = None
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        executor = MultiprocExecutor(config, rc)  # worker processes; rank 0's shard runs here
-        model, model_config = executor.model, executor.model_config
-        runner_config, sizing_config = executor.runner_config, executor.sizing_config
-    elif _loads_in_place(config, rc):
-        from .gguf.load import load_gguf
-
-        model, model_config = load_gguf(
-            config.model, rc.dtype, rc.device, rc.max_model_len, config.show_progress, pack_weights=True
-        )
-        runner_config = sizing_config = model_config
-    else:
-        model, model_config = load_model(
-            config.model,
-            dtype=rc.dtype,
-            device=rc.device,
-            max_positions=rc.max_model_len,
-            show_progress=config.show_progress,
-            quantization=config.quantization,
-        )
-        runner_config = sizing_config = model_config
+    model, model_config, runner_config, sizing_config, executor = _load(config, rc)
     clock.mark("weights")
     num_blocks = rc.num_kv_blocks or size_kv_cache(config, rc, model_config, sizing_config)
     if executor is not None:
@@ -148,17 +127,37 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("start-up phases (s): %s", clock.summary(), extra={"startup_phases": clock.phases})
     return EngineParts(
         config, rc, tokenizer, model, model_config, threads, executor, num_blocks, kv_cache, scheduler, sampler,
-        runner, speculator, handoff, hooks, clock.phases,
+        runner, speculator, handoff.connector if handoff is not None else None, hooks, clock.phases,
     )  # fmt: skip
+
+
+def _load(
+    config: EngineConfig, rc: ResolvedConfig
+) -> tuple[torch.nn.Module, ModelConfig, ModelConfig, ModelConfig, MultiprocExecutor | None]:
+    """`(model, model_config, runner_config, sizing_config, executor)`: the model (rank 0's stage when there are
+    several ranks: the executor starts the others' worker processes), the whole model's config, the one rank
+    0's runner caches for, and the one the KV cache is sized for (the largest stage)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        executor = MultiprocExecutor(config, rc)
+        return executor.model, executor.model_config, executor.runner_config, executor.sizing_config, executor
+    model, model_config = load_model(
+        config.model,
+        dtype=rc.dtype,
+        device=rc.device,
+        max_positions=rc.max_model_len,
+        show_progress=config.show_progress,
+        quantization=config.quantization,
+        pack_weights=_loads_in_place(config, rc),
+    )
+    return model, model_config, model_config, model_config, None
 
 
 def _loads_in_place(config: EngineConfig, rc: ResolvedConfig) -> bool:
     """A dense GGUF model for this process's CPU runner, which will not re-lay its weights out (the compiled
-    GEMV reads them as loaded): load it straight into the runner's huge-page arena (`gguf.load`), one write
-    per weight instead of a load and a copy."""
-    return (
-        rc.device.type == "cpu" and config.quantization is None and is_gguf_file(config.model) and uses_compiled_gemv()
-    )
+    GEMV reads them as loaded): load it straight into the runner's huge-page arena (`loading.loader`), one
+    write per weight instead of a load and a copy."""
+    dense_gguf = config.quantization is None and detect_format(config.model).name == "gguf"
+    return rc.device.type == "cpu" and dense_gguf and uses_compiled_gemv()
 
 
 def size_kv_cache(config: EngineConfig, rc: ResolvedConfig, model_config: ModelConfig, kv_config: ModelConfig) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 
 from tidepool.engine import LLM, SamplingParams, hugepages
 from tidepool.engine.layers.weight_layout import apply_weight_layout, is_input_major
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 
 needs_thp = pytest.mark.skipif(
     hugepages.unavailable_reason() is not None, reason=f"huge pages off here: {hugepages.unavailable_reason()}"

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from tidepool.engine import LLM
 from tidepool.engine.config import ModelConfig
+from tidepool.engine.loading.loader import load_model
 from tidepool.engine.make_model import make_model
-from tidepool.engine.models.loader import load_model
 
 
 @pytest.fixture
@@ -210,3 +210,50 @@ def test_unexpected_tensor_is_named(model_copy: Path) -> None:
     _edit_weights(model_copy, lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="extra"):
         _load(model_copy)
+
+
+# ---- formats and layering ---------------------------------------------------------------------------
+def test_the_format_registry_names_each_kind_of_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tidepool.engine.loading.formats import FORMATS, detect_format
+    from tidepool.engine.loading.quantized_copy import quantize_folder
+
+    assert detect_format(tiny_model_dir).name == "hf" and detect_format(tiny_model_dir).quant is None
+    int4 = detect_format(quantize_folder(tiny_model_dir, tmp_path / "int4", "int4"))
+    assert int4.name == "tidepool-int4" and int4.quant is not None and int4.quant.group_sizes == {64: 64, 128: 128}
+    gguf_file = tmp_path / "model.bin"
+    gguf_file.write_bytes(b"GGUF" + bytes(60))  # the magic decides, not the name
+    assert detect_format(gguf_file).name == "gguf"
+    assert {"hf", "gguf", "tidepool-int8", "tidepool-int4", "gptq", "awq"} == set(FORMATS)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        detect_format(tmp_path / "no-such-model")
+
+
+def test_loading_layers_import_one_way() -> None:
+    """The loading layer composes formats and models; none of them imports it back (the `tidepool quantize`
+    command line excepted), GGUF code never imports the model code, and the config imports no format."""
+    import ast
+
+    engine = Path(__file__).resolve().parents[1] / "engine"
+
+    def imports(path: Path) -> set[str]:
+        """Engine modules `path` imports (anywhere: in functions too), relative to engine/, e.g. "gguf.detect"."""
+        package = list(path.relative_to(engine).parent.parts)
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - node.level + 1]
+                found.add(".".join([*base, *(node.module or "").split(".")]).strip("."))
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found.update(n.removeprefix("tidepool.engine.") for n in names if n.startswith("tidepool.engine."))
+        return found
+
+    def reaches(files: list[Path], target: str) -> list[str]:
+        return [f"{p.relative_to(engine)} -> {m}" for p in files for m in imports(p) if m.split(".")[0] == target]
+
+    quant = [p for p in (engine / "quant").glob("*.py") if p.name != "cli.py"]
+    lower = [*quant, *(engine / "gguf").glob("*.py"), *(engine / "models").glob("*.py"), engine / "config.py"]
+    assert reaches(lower, "loading") == []
+    assert reaches(list((engine / "gguf").glob("*.py")), "models") == []
+    assert reaches([engine / "config.py"], "gguf") == []
+    assert reaches(quant, "gguf") == []

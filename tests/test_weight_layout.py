@@ -12,7 +12,7 @@ from torch import nn
 
 from tidepool.engine.layers.attention_metadata import AttentionMetadata, PrefillChunk
 from tidepool.engine.layers.weight_layout import apply_weight_layout, is_input_major, prefers_input_major
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 
 BLOCK = 16
 
@@ -113,7 +113,7 @@ def test_leaves_quantized_int_and_non_cpu_weights_alone() -> None:
 
 
 def test_quantized_model_keeps_quantized_projections(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from tidepool.engine.quant.cli import quantize_folder
+    from tidepool.engine.loading.quantized_copy import quantize_folder
     from tidepool.engine.quant.runtime import QuantizedWeight
 
     folder = quantize_folder(tiny_model_dir, tmp_path / "int8", "int8")

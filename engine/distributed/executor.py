@@ -38,9 +38,9 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig
 from ..layers.attention_metadata import AttentionMetadata
+from ..loading.formats import read_model_config
 from . import comm
 from .launch import free_port, spawn_workers, stop_processes
 from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
@@ -98,7 +98,7 @@ class MultiprocExecutor:
             )
         self.parallel = parallel
         self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-        model_config = ModelConfig.from_pretrained(config.model)
+        model_config = read_model_config(config.model)
         check_tp(model_config, parallel.tensor_parallel_size)
         ranges = partition_layers(model_config.num_hidden_layers, parallel.pipeline_parallel_size)
         if rc.device.type == "cuda" and rc.device.index not in (None, 0):

@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
-from ..models.loader import load_model
+from ..loading.formats import read_model_config
+from ..loading.loader import load_model
 from . import comm
 from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
@@ -143,7 +144,7 @@ class _Worker:
         self.conn = comm.connect(address, store.get(comm.STORE_KEY_SECRET), JOIN_TIMEOUT_S)
         comm.send(self.conn, ("hello", args.rank, os.getpid(), socket.gethostname()))
         config = args.engine
-        rc = resolve(config, ModelConfig.from_pretrained(config.model))
+        rc = resolve(config, read_model_config(config.model))
         self.device = rank_device(rc.device, args.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

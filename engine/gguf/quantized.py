@@ -31,7 +31,7 @@ from ...kernels.int4_packing import pack_int4
 from ..quant.formats import Int4Parts
 from ..quant.load import projection_targets
 from ..quant.quantize import DEFAULT_GROUP_SIZE, int4_group_size, quantize_int4, quantize_int8
-from ..quant.runtime import ConcatWeight, Int4Weight, Int8Weight, QuantizedWeight, fuse_int4, fuse_int8, swap_weight
+from ..quant.runtime import ConcatWeight, Int4Weight, Int8Weight, QuantizedWeight, fuse_int4, fuse_int8
 from .tensors import QK, WeightSource, q4_parts
 
 logger = logging.getLogger(__name__)
@@ -86,12 +86,14 @@ def _fuse(parts: list[Part]) -> QuantizedWeight:
     return ConcatWeight([Int4Weight(p) if isinstance(p, Int4Parts) else Int8Weight(*p) for p in parts])
 
 
-def swap_quantized(
+def quantized_weights(
     model: nn.Module, source: WeightSource, mode: str, dtype: torch.dtype, show_progress: bool = True
-) -> set[str]:
-    """Swap the model's projections for quantized weights; returns the Hugging Face names consumed."""
+) -> tuple[dict[str, QuantizedWeight], set[str]]:
+    """`(weights, consumed)`: a quantized weight per projection of `model` that can be one, by dense parameter
+    name (the loading layer swaps them in: `quant.load.apply_quantized`), and the Hugging Face names used."""
     if mode not in MODES:
         raise ValueError(f"GGUF quantization mode must be one of {', '.join(MODES)}, got {mode!r}")
+    weights: dict[str, QuantizedWeight] = {}
     consumed: set[str] = set()
     left_dense: Counter[str] = Counter()
     kept: Counter[str] = Counter()
@@ -107,7 +109,7 @@ def swap_quantized(
         if len(parts) != len(names):
             left_dense.update(types)
             continue
-        swap_weight(model, param, _fuse(parts))
+        weights[param] = _fuse(parts)
         consumed.update(names)
         kept.update(types)
         group_sizes.update(part.group_size for part in parts if isinstance(part, Int4Parts))
@@ -118,4 +120,4 @@ def swap_quantized(
         dict(left_dense) or "none",
         dict(sorted(group_sizes.items())) or "none",
     )
-    return consumed
+    return weights, consumed

@@ -1,1 +1,1 @@
-"""Model definitions and loading from local Hugging Face folders."""
+"""Model architectures: `llama` (Llama 2/3, Mistral, Qwen2). Loading them is `engine/loading/`'s job."""

@@ -124,6 +124,33 @@ def quantize_int4(
     return qweight, scale_kept.to(out_dtype), zero_kept.to(out_dtype)
 
 
+def int4_group_sizes(
+    tensors: dict[str, torch.Tensor], names: list[str], group_size: int, adapt_group_size: bool
+) -> dict[int, int]:
+    """Input width -> int4 group size for the projections `names`, every shape validated before any work.
+
+    `group_size` must divide every projection's inputs, unless `adapt_group_size` (a default size, not the
+    user's): then each width gets `int4_group_size`. A projection's size depends on its width alone.
+    """
+    sizes: dict[int, int] = {}
+    for name in names:
+        k = tensors[name].shape[1]
+        if adapt_group_size:
+            sizes[k] = int4_group_size(k, group_size, name)
+        else:
+            check_group_size(group_size, k, name)
+            sizes[k] = group_size
+    narrower = {k: size for k, size in sizes.items() if size != group_size}
+    if narrower:
+        logger.info(
+            "int4: groups of %d, narrower where %d does not divide a projection's inputs (%s)",
+            group_size,
+            group_size,
+            ", ".join(f"{k} inputs: {size}" for k, size in sorted(narrower.items())),
+        )
+    return sizes
+
+
 def quantize_tensors(
     tensors: dict[str, torch.Tensor],
     method: str,
@@ -131,36 +158,19 @@ def quantize_tensors(
     scale_dtype: torch.dtype | None = None,
     *,
     adapt_group_size: bool = False,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
     """Quantize every decoder projection of a Hugging Face state dict; other tensors pass through.
 
-    A projection ``P.weight`` becomes ``P.qweight`` + ``P.scales`` (int8: ``qweight`` is the
-    ``[N, K]`` int8 weight, ``scales`` ``[N]``) or ``P.qweight`` + ``P.scales`` + ``P.zeros``
-    (int4, in the `int4_packing` layout). int4 groups are `group_size` wide, which must divide every
-    projection's inputs; with `adapt_group_size` (a default size, not the user's) each projection
-    gets `int4_group_size` instead.
+    Returns the new state dict and, for int4, the group size used per input width (`int4_group_sizes`;
+    empty for int8). A projection ``P.weight`` becomes ``P.qweight`` + ``P.scales`` (int8: ``qweight`` is
+    the ``[N, K]`` int8 weight, ``scales`` ``[N]``) or ``P.qweight`` + ``P.scales`` + ``P.zeros`` (int4, in
+    the `int4_packing` layout).
     """
     check_method(method)
     names = [name for name in tensors if is_quantizable(name)]
     if not names:
         raise ValueError("no decoder projection weights (model.layers.N.*_proj.weight) to quantize")
-    sizes: dict[str, int] = {}
-    if method == "int4":
-        for name in names:  # validate every shape before doing any work
-            k = tensors[name].shape[1]
-            if adapt_group_size:
-                sizes[name] = int4_group_size(k, group_size, name)
-            else:
-                check_group_size(group_size, k, name)
-                sizes[name] = group_size
-        narrower = {tensors[name].shape[1]: size for name, size in sizes.items() if size != group_size}
-        if narrower:
-            logger.info(
-                "int4: groups of %d, narrower where %d does not divide a projection's inputs (%s)",
-                group_size,
-                group_size,
-                ", ".join(f"{k} inputs: {size}" for k, size in sorted(narrower.items())),
-            )
+    sizes = int4_group_sizes(tensors, names, group_size, adapt_group_size) if method == "int4" else {}
     targets = set(names)
     out = {name: tensor for name, tensor in tensors.items() if name not in targets}
     for name in tqdm(names, desc=f"quantizing to {method}", unit="tensor", disable=len(names) < _PROGRESS_MIN_TENSORS):
@@ -169,6 +179,6 @@ def quantize_tensors(
         if method == "int8":
             out[f"{prefix}.qweight"], out[f"{prefix}.scales"] = quantize_int8(tensor, scale_dtype)
         else:
-            qweight, scales, zeros = quantize_int4(tensor, sizes[name], scale_dtype)
+            qweight, scales, zeros = quantize_int4(tensor, sizes[tensor.shape[1]], scale_dtype)
             out[f"{prefix}.qweight"], out[f"{prefix}.scales"], out[f"{prefix}.zeros"] = qweight, scales, zeros
-    return out
+    return out, sizes

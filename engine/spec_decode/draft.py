@@ -28,8 +28,9 @@ from ..config import ModelConfig
 from ..engine_config import resolve_model_path
 from ..gguf.detect import is_gguf_file
 from ..kv_cache import KVCacheManager
+from ..loading.formats import read_model_config
+from ..loading.loader import load_model
 from ..model_runner import ModelRunner
-from ..models.loader import load_model
 from ..request import Request
 from ..sampler import LogprobEntry, Sampler
 from ..sched_output import ScheduledSeq, SchedulerOutput
@@ -77,7 +78,7 @@ def check_draft_compatible(draft: str | Path, target_tokenizer: Tokenizer, targe
     `draft` is what `resolve_model_path` returned: a Hugging Face folder or a GGUF file (dequantized).
     """
     folder = Path(draft)
-    config = ModelConfig.from_pretrained(folder)
+    config = read_model_config(folder)
     if config.vocab_size != target_config.vocab_size:
         raise ValueError(
             f"draft model {folder} has vocab_size {config.vocab_size} but the target has {target_config.vocab_size}; "

@@ -20,9 +20,9 @@ from gguf_files import hf_to_gguf
 
 from tidepool.cli import main
 from tidepool.engine import LLM
-from tidepool.engine.config import ModelConfig
 from tidepool.engine.gguf.errors import GGUFError
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.formats import read_model_config
+from tidepool.engine.loading.loader import load_model
 from tidepool.engine.tokenizer import Tokenizer
 
 
@@ -91,7 +91,7 @@ def test_tensor_type_unknown_to_the_gguf_package(good: Path) -> None:
 
 def test_missing_tokenizer_metadata(hf_model_dir, tmp_path: Path) -> None:
     file = hf_to_gguf(hf_model_dir("llama-gqa"), tmp_path / "no-tokenizer.gguf", tokenizer=False)
-    assert ModelConfig.from_pretrained(file).vocab_size == 512  # the weights alone are fine
+    assert read_model_config(file).vocab_size == 512  # the weights alone are fine
     with pytest.raises(GGUFError, match=r"no tokenizer metadata \(tokenizer\.ggml\.model is missing\)"):
         Tokenizer.from_pretrained(file)
     with pytest.raises(GGUFError, match="no tokenizer metadata"):

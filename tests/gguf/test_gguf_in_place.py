@@ -1,6 +1,6 @@
 """Loading a GGUF file straight into the huge-page arena gives the same model as loading, then packing.
 
-`load_gguf(pack_weights=True)` moves the parameters into the arena before the load (their values
+`load_model(pack_weights=True)` moves the parameters into the arena before the load (their values
 are not copied: every one is overwritten by the load) and copies the buffers (rotary tables). The
 result must equal a plain load value for value, keep tied weights one object, and leave the model
 runner's later `pack_weights` nothing to move.
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from tidepool.engine import LLM, SamplingParams, hugepages
-from tidepool.engine.gguf.load import load_gguf
+from tidepool.engine.loading.loader import load_model
 
 
 @pytest.mark.parametrize(("variant", "type_name"), [("llama-mqa-tied-llama3rope", "Q8_0"), ("qwen2-tied", "Q4_1")])
 def test_in_place_load_equals_a_plain_load(gguf_model, variant: str, type_name: str) -> None:
     path = gguf_model(variant, type_name)
-    plain, _ = load_gguf(path, torch.float32, show_progress=False)
-    packed, _ = load_gguf(path, torch.float32, show_progress=False, pack_weights=True)
+    plain, _ = load_model(path, torch.float32, show_progress=False)
+    packed, _ = load_model(path, torch.float32, show_progress=False, pack_weights=True)
     expected = dict(plain.state_dict(keep_vars=True))
     got = dict(packed.state_dict(keep_vars=True))
     assert list(got) == list(expected)

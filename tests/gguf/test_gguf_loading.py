@@ -20,10 +20,10 @@ import torch
 from gguf_files import gguf_name, llama_cpp_permute
 
 from tidepool.engine import LLM, SamplingParams
-from tidepool.engine.config import ModelConfig
 from tidepool.engine.engine_config import resolve_model_path
 from tidepool.engine.layers.rotary import inverse_frequencies
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.formats import read_model_config
+from tidepool.engine.loading.loader import load_model
 
 VARIANTS = ["llama-gqa", "llama-mqa-tied-llama3rope", "llama-headdim24-linearrope", "qwen2-tied"]
 CONFIG_FIELDS = (
@@ -41,7 +41,7 @@ def _params(path: Path, **kwargs: object) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_float32_file_is_the_folder(variant: str, hf_model_dir: Callable[[str], Path], gguf_model) -> None:
     folder, file = hf_model_dir(variant), gguf_model(variant, "F32")
-    from_gguf, from_hf = ModelConfig.from_pretrained(file), ModelConfig.from_pretrained(folder)
+    from_gguf, from_hf = read_model_config(file), read_model_config(folder)
     for field in CONFIG_FIELDS:
         assert getattr(from_gguf, field) == getattr(from_hf, field), field
     assert from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)  # stored as float32
@@ -74,7 +74,7 @@ def _file_values(path: Path, hf: str, heads: int, kv_heads: int) -> torch.Tensor
 @pytest.mark.parametrize("type_name", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_types_dequantize_like_the_gguf_package(type_name: str, gguf_model) -> None:
     file = gguf_model("llama-gqa", type_name)
-    config = ModelConfig.from_pretrained(file)
+    config = read_model_config(file)
     # dtype "auto": the projections' own float type, float32 for quantized ones (exact there).
     assert config.torch_dtype == {"F16": torch.float16, "BF16": torch.bfloat16}.get(type_name, torch.float32)
     model, _ = load_model(file, dtype=torch.float32, show_progress=False)

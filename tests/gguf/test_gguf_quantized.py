@@ -17,7 +17,7 @@ from gguf_files import hf_to_gguf
 
 from decoder_steps import count_decoder_steps
 from tidepool.engine import LLM, SamplingParams, cpu_ops
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight, Int8Weight, weight_bytes
 from tidepool.kernels.int4_packing import dequantize_int4
@@ -100,7 +100,7 @@ def test_engine_runs_kept_and_quantized_at_load(gguf_model) -> None:
 
 
 def test_quantization_methods_that_do_not_fit_are_refused(gguf_model, hf_model_dir, tmp_path: Path) -> None:
-    from tidepool.engine.quant.cli import quantize_folder
+    from tidepool.engine.loading.quantized_copy import quantize_folder
 
     with pytest.raises(ValueError, match=r"is a GGUF file; `tidepool quantize` converts Hugging Face folders"):
         quantize_folder(gguf_model("llama-gqa", "F32"), tmp_path / "out", "int8")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tidepool.engine import LLM, SamplingParams
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 from tidepool.engine.quant.perplexity import perplexity
 from tidepool.engine.quant.runtime import weight_bytes
 

@@ -25,7 +25,7 @@ from tidepool.engine.distributed.pp import split_micro_batches
 from tidepool.engine.distributed.tp import VocabShard, check_tp, shard_layer, vocab_parallel_embedding
 from tidepool.engine.layers.attention_backend import build_decode_mask, build_prefill_mask
 from tidepool.engine.layers.attention_metadata import AttentionMetadata, PrefillChunk
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 
 BLOCK = 16
 

@@ -18,7 +18,7 @@ import torch
 from quant_reference import AWQ_PACK_ORDER, dense_from_groups, pack_along_cols, pack_along_rows
 from safetensors.torch import load_file, save_file
 
-from tidepool.engine.models.loader import load_model
+from tidepool.engine.loading.loader import load_model
 from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.quantize import is_quantizable
 from tidepool.engine.quant.runtime import ConcatWeight, Int4Weight

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tidepool.engine.models.loader import load_model
-from tidepool.engine.quant.cli import main, quantize_folder
+from tidepool.engine.loading.loader import load_model
+from tidepool.engine.loading.quantized_copy import quantize_folder
+from tidepool.engine.make_model import make_model
+from tidepool.engine.quant.cli import main
 from tidepool.engine.quant.perplexity import prefill_logits
 from tidepool.engine.quant.runtime import Int4Weight, Int8Weight, QuantizedWeight, weight_bytes
 
@@ -69,7 +71,7 @@ def test_cli_round_trip(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Cap
     assert "wrote" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "tidepool"
-    assert config["quantization_config"]["group_size"] == 64
+    assert config["quantization_config"]["group_sizes"] == {"64": 64, "128": 64}  # every input width: as given
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_bytes() == (tiny_model_dir / name).read_bytes()
     tensors = load_file(str(out / "model.safetensors"))
@@ -148,3 +150,35 @@ def test_cli_default_group_size_narrows_where_needed_and_a_given_one_is_kept(
     assert tensors["model.layers.0.mlp.up_proj.scales"].shape[0] == 64 // 64
     model, _ = load_model(tmp_path / "default", show_progress=False)
     assert model.layers[1].mlp.down_weight.group_size == 80
+
+
+def test_int4_config_records_the_group_sizes_its_tensors_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The `small` preset's 704-wide down_proj inputs take groups of 88 (128 does not divide 704): config.json
+    must say so (it once said 128), and the loader must read each projection's size from it."""
+    src = make_model("llama", "small", tmp_path / "small", seed=0)
+    out = tmp_path / "int4"
+    assert main(["--method", "int4", str(src), str(out)]) == 0
+    assert "704: 88" in capsys.readouterr().out
+    tensors = load_file(str(out / "model.safetensors"))
+    held: dict[int, set[int]] = {}  # input width -> the group sizes the tensors' shapes imply
+    for name, qweight in tensors.items():
+        if name.endswith(".qweight"):
+            k = qweight.shape[0] * 8
+            held.setdefault(k, set()).add(k // tensors[name.replace(".qweight", ".scales")].shape[0])
+    assert held == {256: {128}, 704: {88}}
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    assert config["quantization_config"]["group_sizes"] == {"256": 128, "704": 88}
+    assert "group_size" not in config["quantization_config"]  # no size that some projections do not have
+    model, _ = load_model(out, show_progress=False)
+    assert (model.layers[0].mlp.down_weight.group_size, model.layers[0].mlp.gate_up_weight.group_size) == (88, 128)
+    legacy = {k: v for k, v in config["quantization_config"].items() if k != "group_sizes"}
+    path.write_text(json.dumps({**config, "quantization_config": {**legacy, "group_size": 128}}))
+    model, _ = load_model(out, show_progress=False)  # a folder written before group_sizes: the old rule, 128 -> 88
+    assert (model.layers[0].mlp.down_weight.group_size, model.layers[0].mlp.gate_up_weight.group_size) == (88, 128)
+    config["quantization_config"]["group_sizes"]["704"] = 64  # a config that lies about the tensors is refused
+    path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="group"):
+        load_model(out, show_progress=False)

@@ -76,7 +76,8 @@ def test_quantize_tensors_only_touches_projections() -> None:
         "model.layers.0.mlp.down_proj.weight": torch.randn(16, 32),
         "lm_head.weight": torch.randn(10, 16),
     }
-    out = quantize_tensors(tensors, "int4", group_size=16)
+    out, group_sizes = quantize_tensors(tensors, "int4", group_size=16)
+    assert group_sizes == {16: 16, 32: 16}
     assert set(out) == {
         "model.embed_tokens.weight",
         "model.layers.0.self_attn.q_proj.qweight",
@@ -164,7 +165,8 @@ def test_default_group_size_narrows_per_projection_only_when_asked(caplog: pytes
     with pytest.raises(ValueError, match=r"group size 128 does not divide .*q_proj.weight's 576 .*e\.g\. 96"):
         quantize_tensors(tensors, "int4", 128)  # a size the user chose is kept or refused, never changed
     with caplog.at_level("INFO", logger="tidepool.engine.quant.quantize"):
-        out = quantize_tensors(tensors, "int4", 128, adapt_group_size=True)
+        out, group_sizes = quantize_tensors(tensors, "int4", 128, adapt_group_size=True)
+    assert group_sizes == {576: 96, 1536: 128}  # what the checkpoint's config records
     assert "narrower where 128 does not divide a projection's inputs (576 inputs: 96)" in caplog.text
     assert out["model.layers.0.self_attn.q_proj.scales"].shape == (576 // 96, 16)
     assert out["model.layers.0.mlp.down_proj.scales"].shape == (1536 // 128, 8)

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from tidepool.engine.models.loader import load_model
-from tidepool.engine.quant.cli import quantize_folder
+from tidepool.engine.loading.loader import load_model
+from tidepool.engine.loading.quantized_copy import quantize_folder
 from tidepool.engine.quant.perplexity import perplexity
 
 SEQ_LEN, BATCH, STEPS = 64, 16, 300

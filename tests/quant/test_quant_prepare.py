@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 
 from tidepool.engine import LLM, SamplingParams
-from tidepool.engine.quant.cli import quantize_folder
-from tidepool.engine.quant.load import read_quant_spec
+from tidepool.engine.loading.formats import detect_format
+from tidepool.engine.loading.prepare import prepare_quantized
+from tidepool.engine.loading.quantized_copy import quantize_folder
 from tidepool.engine.quant.perplexity import prefill_logits
-from tidepool.engine.quant.prepare import prepare_quantized
 
 
 def test_dense_folder_is_quantized_once_and_cached(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("TIDEPOOL_QUANT_CACHE", str(tmp_path / "cache"))
     first = prepare_quantized(str(tiny_model_dir), "int8")
     assert first != str(tiny_model_dir)
-    assert read_quant_spec(Path(first)).kind == "tidepool-int8"
+    assert detect_format(first).name == "tidepool-int8"
     mtime = (Path(first) / "config.json").stat().st_mtime_ns
     assert prepare_quantized(str(tiny_model_dir), "int8") == first  # reused, not rewritten
     assert (Path(first) / "config.json").stat().st_mtime_ns == mtime
@@ -52,7 +52,7 @@ def test_int4_at_load_narrows_groups_where_128_does_not_divide(hf_model_dir, tmp
     engine = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, show_progress=False)
     dense, int4 = LLM(str(src), **engine), LLM(str(src), quantization="int4", **engine)
     folder = Path(int4.engine.config.model)
-    assert read_quant_spec(folder).group_size == 128  # the folder's size; each projection's follows from K
+    assert detect_format(folder).quant.group_sizes == {64: 64, 160: 80}  # what the folder holds, per input width
     layer = int4.engine.model.layers[0]
     sizes = (layer.self_attn.qkv_weight.group_size, layer.self_attn.o_weight.group_size,
              layer.mlp.gate_up_weight.group_size, layer.mlp.down_weight.group_size)  # fmt: skip
