@@ -8,8 +8,8 @@ lengths; prefill chunks with and without a cached prefix; a mixed step.
 
 Part 2, engine: a batch of `--batch` requests (default 64) with `--context`-token prompts
 (default 620) is prefilled once, then decode steps alternate between the two paths (switched
-in-process: TIDEPOOL_CPU_ATTENTION, `cpu_ops.reset()` and the runner's `cpu_kernel` flag), a few
-steps at a time. Reported per path: the median model step (`ModelRunner.execute`, sampling
+in-process: TIDEPOOL_CPU_ATTENTION, `cpu_ops.reset()` and the runner's attention backend chosen
+again), a few steps at a time. Reported per path: the median model step (`ModelRunner.execute`, sampling
 included) and the attention inside it (every layer's `paged_attention` call), i.e. the attention
 share of the step before (torch path) and after (op).
 
@@ -40,6 +40,7 @@ from common import bench_model
 from tidepool.engine import cpu_ops
 from tidepool.engine.layers import attention_backend as backend
 from tidepool.engine.layers.attention_metadata import AttentionMetadata, PrefillChunk
+from tidepool.engine.runner_backend import choose_backend
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -143,8 +144,8 @@ def run_layers(args: argparse.Namespace) -> list[dict[str, object]]:
 def _use_path(runner: object, mode: str) -> None:
     os.environ[cpu_ops.MODE_ENV] = mode
     cpu_ops.reset()
-    runner.cpu_kernel = backend.cpu_kernel_available()  # type: ignore[attr-defined]
-    if runner.cpu_kernel != (mode == "compiled"):  # type: ignore[attr-defined]
+    runner.backend = choose_backend(runner.device, runner.config, runner.block_size)  # type: ignore[attr-defined]
+    if runner.backend.name != f"cpu-{mode}":  # type: ignore[attr-defined]
         raise RuntimeError(f"could not switch the runner to {mode}")
 
 
@@ -185,7 +186,7 @@ def run_engine(args: argparse.Namespace, model_dir: Path) -> dict[str, object]:
         elapsed = time.perf_counter() - start
         scheduled = sched_out.scheduled  # type: ignore[attr-defined]
         if len(scheduled) == batch and all(s.num_new_tokens == 1 for s in scheduled):
-            samples["compiled" if runner.cpu_kernel else "torch"].append((elapsed, attention_s[0]))
+            samples[runner.backend.name.removeprefix("cpu-")].append((elapsed, attention_s[0]))
         return result
 
     runner.execute = timed_execute

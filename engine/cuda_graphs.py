@@ -16,6 +16,8 @@ addresses, so:
   cache manager never hands out (block ``num_blocks``: the runner allocates one extra), with
   sequence length 1, so they neither touch a real sequence's KV nor read uninitialised memory.
   Their outputs are computed and ignored: `DecodeGraphs.run` returns the first ``n`` rows.
+- On by default on CUDA for an in-process model (`graphs_wanted`); TIDEPOOL_CUDA_GRAPHS=0 turns
+  them off.
 - Capture is lazy (the first step that needs a bucket captures it), largest buckets share one
   memory pool. The output of a capture is a fixed tensor that each replay overwrites.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +43,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 256
+CUDA_GRAPHS_ENV = "TIDEPOOL_CUDA_GRAPHS"
+
+
+def graphs_wanted(model: object, device: torch.device) -> bool:
+    """CUDA graphs by default on CUDA for an in-process model; TIDEPOOL_CUDA_GRAPHS=0 turns them off."""
+    raw = os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{CUDA_GRAPHS_ENV}={raw!r}: expected 1/0 (on/off)")
+    if raw in ("0", "false", "off"):
+        logger.info("CUDA graphs off (%s=%s): every step runs eagerly", CUDA_GRAPHS_ENV, raw)
+        return False
+    return device.type == "cuda" and isinstance(model, torch.nn.Module)
 
 
 def capture_sizes(max_num_seqs: int, max_size: int = MAX_CAPTURE_SIZE) -> list[int]:

@@ -6,13 +6,15 @@ computes it, the scheduler advances the requests, and this class turns new token
 no HTTP or Kubernetes in it; the server drives it from a thread, `LLM` from a loop.
 `engine_builder.build_engine` constructs the parts. Optional features (speculative decoding,
 the P/D KV hand-off) are `StepHook`s in `self.hooks`, called at the points step_hooks.py
-documents; they contribute proposals and admitted requests as return values and never build
-outputs: every `RequestOutput` is built here, the final one by `_finish_output` alone.
+documents (a request's `kv_transfer` reaches the hand-off through `on_add`); they contribute
+proposals and admitted requests as return values and never build outputs: every `RequestOutput`
+is built here, the final one by `_finish_output` alone, and `_decide` alone decides from a
+request's new tokens whether it goes on, was stopped by a stop string, or finished (and why).
 Prompt logprobs are not a hook: they need the hidden rows only the runner holds, so the runner
 returns them in `ModelRunnerOutput.prompt_logprobs` (prompt_logprobs.py) and `step()` adds them to
 the request's `TrackedRequest`. A `max_tokens=0` request finishes in the step that completes its
 prompt, with no token; its final output is built there too. Neither works with a P/D KV hand-off
-(refused in `add_request`: the prompt would be computed on another engine).
+(refused by the hand-off's `on_add`: the prompt would be computed on another engine).
 Invariants: a request that fails validation raises `ValueError` before anything is queued,
 so it never affects the requests already running. A request whose own processing raises
 inside a step (the sampler on its parameters, its detokenization) is finished alone with
@@ -27,7 +29,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, StopMatch
 from .engine_builder import build_engine
 from .engine_config import EngineConfig
 from .isolation import StepIsolation
@@ -38,7 +40,7 @@ from .sampling_params import SamplingParams
 from .sched_output import ModelRunnerOutput, SchedulerOutput
 from .spec_decode.emit import feed_tokens
 from .stats import EngineStats
-from .step_hooks import StepHook
+from .step_hooks import OnAdd, StepHook
 from .structured_outputs import Grammar, build_compiler
 
 logger = logging.getLogger(__name__)
@@ -54,9 +56,11 @@ class LLMEngine:
         self.max_model_len = parts.resolved.max_model_len
         self.num_kv_blocks, self.kv_cache, self.scheduler = parts.num_kv_blocks, parts.kv_cache, parts.scheduler
         self.sampler, self.runner = parts.sampler, parts.runner
-        # Optional features, as step hooks; the two typed references are for their request inputs and tests.
+        # Optional features, as step hooks. The speculator's typed reference is for tests and benches; the
+        # KV connector (a P/D engine's transport) is for the server, which waits on transfers.
         self.hooks: list[StepHook] = parts.hooks
-        self.speculator, self.handoff = parts.speculator, parts.handoff
+        self.speculator = parts.speculator
+        self.kv_connector: KVConnector | None = parts.kv_connector
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
         # Structured outputs: the server compiles through it off this thread; `add_request` takes the result.
@@ -89,9 +93,10 @@ class LLMEngine:
         server compiles it off this thread); without one it is compiled here (cached), and an invalid
         constraint raises `GrammarError` (a ValueError) before anything is queued.
 
-        `kv_transfer` (P/D disaggregation): `ProducerParams` on a prefill engine sends the prompt's
-        KV and first token on once prefilled; a received `KVPayload` on a decode engine admits the
-        request with that KV and continues from the first token, without recomputing the prompt.
+        `kv_transfer` (P/D disaggregation, through the hand-off hook's `on_add`): `ProducerParams` on
+        a prefill engine sends the prompt's KV and first token on once prefilled; a received `KVPayload`
+        on a decode engine admits the request with that KV and continues from the first token, without
+        recomputing the prompt.
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -104,12 +109,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}); got {max(params.logit_bias)}")
-        if kv_transfer is not None:
-            if self.handoff is None:
-                raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
-            if params.prompt_logprobs is not None or params.max_tokens == 0:
-                raise ValueError("prompt_logprobs and max_tokens=0 are not supported with a P/D KV hand-off")
-            self.handoff.check(kv_transfer, token_ids, params)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         request = Request(
@@ -125,16 +124,23 @@ class LLMEngine:
         tracked = TrackedRequest(request, text, detok, [] if params.logprobs is not None else None)
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
-        held = kv_transfer is not None and self.handoff.add(request, kv_transfer)  # waits for KV room, not scheduled
-        if not held:
+        joined = self._on_add(request, kv_transfer)
+        if not any(part.held for part in joined):  # a held request waits in its hook (for KV room), not scheduled
             self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
         # Constrained once queued (nothing left to raise), before anything can sample or finish it.
         if params.structured_outputs is not None and grammar is not None:
             self.sampler.constrain(request, grammar, self.grammars.backend)
-        if held:
-            self._admit(self.handoff.admit())
+        for part in joined:
+            self._admit(part.admitted)
         return request
+
+    def _on_add(self, request: Request, kv_transfer: ProducerParams | KVPayload | None) -> list[OnAdd]:
+        """The parts the hooks take in a new request (they may refuse it); a hand-off no hook takes is refused."""
+        joined = [part for hook in self.hooks if (part := hook.on_add(request, kv_transfer)) is not None]
+        if kv_transfer is not None and not joined:
+            raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
+        return joined
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -189,24 +195,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduled forward pass; returns an output for every request that produced a token."""
         start = time.monotonic()
-        proposals: dict[str, list[int]] = {}
-        for hook in self.hooks:
-            plan = hook.before_schedule(self.scheduler)
-            if plan is not None:
-                self._admit(plan.admitted)
-                proposals.update(plan.spec_token_ids)
+        proposals = self._before_schedule()
         ready, self._ready = self._ready, []
         sched_out = self.scheduler.schedule(proposals)
         if sched_out.is_empty:
             return ready
-        num_prompt_tokens = sum(
-            max(
-                0,
-                min(seq.num_computed_tokens + seq.num_new_tokens, seq.request.num_prompt_tokens)
-                - seq.num_computed_tokens,
-            )
-            for seq in sched_out.scheduled
-        )
+        num_prompt_tokens = _num_prompt_tokens(sched_out)
         runner_out, errors = self.isolation.execute(self._run, sched_out)
         for hook in self.hooks:
             hook.before_update(sched_out, runner_out)
@@ -222,7 +216,23 @@ class LLMEngine:
             step_num_preemptions=sched_out.num_preemptions,
             step_duration_s=now - start,
         )
-        outputs: list[RequestOutput] = ready + failed
+        return ready + failed + self._step_outputs(sched_out, runner_out, finished, now)
+
+    def _before_schedule(self) -> dict[str, list[int]]:
+        """Each hook's contribution, in order: its admitted requests' first tokens, its proposals (returned)."""
+        proposals: dict[str, list[int]] = {}
+        for hook in self.hooks:
+            plan = hook.before_schedule(self.scheduler)
+            if plan is not None:
+                self._admit(plan.admitted)
+                proposals.update(plan.spec_token_ids)
+        return proposals
+
+    def _step_outputs(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput, finished: set[str], now: float
+    ) -> list[RequestOutput]:
+        """The outputs of the step's sequences (a request whose own text or logprobs fail is failed alone)."""
+        outputs: list[RequestOutput] = []
         stopped_by_text: list[str] = []
         emit_errors: dict[str, Exception] = {}
         for seq in sched_out.scheduled:
@@ -266,6 +276,14 @@ class LLMEngine:
             tracked.logprobs.append({**dict(top), token: sampled_lp})
             tracked.cumulative_logprob += sampled_lp
         match = feed_tokens(tracked.detokenizer, request, tokens)
+        return self._decide(request, tracked, match, is_finished)
+
+    def _decide(
+        self, request: Request, tracked: TrackedRequest, match: StopMatch | None, is_finished: bool
+    ) -> RequestOutput | None:
+        """After a request's new tokens were detokenized: its final output when the scheduler finished it (the
+        stop reason: its stop token, else a stop string that came first); None when a stop string ends it
+        now (the caller finishes it as stopped); else its incremental output."""
         if is_finished:
             if request.stop_token_id is not None:
                 tracked.stop_reason = request.stop_token_id
@@ -304,11 +322,6 @@ class LLMEngine:
         return outputs
 
     # ---- requests admitted by a hook (P/D disaggregation) -------------------------------------------
-    @property
-    def kv_connector(self) -> KVConnector | None:
-        """The KV connector of a prefill or decode engine (None when unified)."""
-        return self.handoff.connector if self.handoff is not None else None
-
     def _admit(self, admitted: Iterable[tuple[Request, int]]) -> None:
         """Emit each admitted request's first token before the hook admits the next (lazy iterable)."""
         for request, first_token in admitted:
@@ -323,16 +336,12 @@ class LLMEngine:
         except Exception as err:
             self._ready.extend(self._fail_requests({request.request_id: err}))
             return
-        if request.is_finished:
-            if request.stop_token_id is not None:
-                tracked.stop_reason = request.stop_token_id
-            self._ready.append(self._finish_output(request))
-        elif match is not None:
-            tracked.stop_reason = match.stop_str
-            for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
-                self._ready.append(self._finish_output(done))
-        else:
-            self._ready.append(tracked.output())
+        output = self._decide(request, tracked, match, request.is_finished)
+        if output is not None:
+            self._ready.append(output)
+            return
+        for done in self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED):
+            self._ready.append(self._finish_output(done))
 
     def close(self) -> None:
         """Release background resources (the KV connector's sockets and threads, parallel workers)."""
@@ -356,3 +365,14 @@ class LLMEngine:
         for hook in self.hooks:
             hook.on_finish(request.request_id)
         return tracked.output(finished=True)
+
+
+def _num_prompt_tokens(sched_out: SchedulerOutput) -> int:
+    """Prompt tokens computed in this step (a chunk may end in the prompt or run past it into the output)."""
+    return sum(
+        max(
+            0,
+            min(seq.num_computed_tokens + seq.num_new_tokens, seq.request.num_prompt_tokens) - seq.num_computed_tokens,
+        )
+        for seq in sched_out.scheduled
+    )

@@ -1,52 +1,44 @@
 """The model runner: the only place a `SchedulerOutput` becomes tensors.
 
-It owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
-head_dim], zero-initialised so padded decode reads are finite), builds input ids, positions,
-slot mapping, block tables and masks once per step, runs the model, computes logits only
-for the sequences that sample this step, and hands those to the sampler (plus, for requests asking
-for prompt logprobs, the rows of their prompt positions: prompt_logprobs.py). On CPU, when the compiled
-GEMV is unavailable (`layers.linear`), it first stores the model's wide projections [in, out]
-(`layers.weight_layout`), once, at construction; quantized weights are laid out for the compiled CPU
-ops where those are available (`quant.runtime.prepare_for_cpu`). On CPU the weights and the KV cache then live in
-memory advised for transparent huge pages (`hugepages`): fewer TLB misses while every step streams them.
+A step runs in four stages, each with plain typed inputs and outputs:
+1. prepare inputs (`runner_inputs.prepare_inputs`): the scheduled sequences as host lists
+   (`StepInputs`: ids, positions, KV slots, block tables, the rows to read back);
+2. attention metadata (`RunnerBackend.metadata`): those lists as device tensors and the
+   `AttentionMetadata` every layer shares;
+3. run (`_run`): the model's forward over the paged KV cache, hidden states out;
+4. sample (`_sample`): logits only for the rows read back (sampling sequences, speculative
+   proposals' rows, prompt logprobs: prompt_logprobs.py), the sampler on the sampling rows.
+The attention backend (CPU torch / CPU compiled op / CUDA, runner_backend.py) is chosen once at
+construction. A decode-only step that fits a captured CUDA graph (`cuda_graphs`; off with
+TIDEPOOL_CUDA_GRAPHS=0) replays it instead of stages 2 and 3. The graphs need one extra KV block,
+`num_blocks`, that the KV cache manager never hands out: padding rows write their keys there.
 
-On CUDA, host lists become device tensors through pinned memory with non-blocking copies, and
-decode-only steps replay a CUDA graph per batch-size bucket (`cuda_graphs`; off with
-TIDEPOOL_CUDA_GRAPHS=0). The graphs need one extra KV block, `num_blocks`, that the KV cache
-manager never hands out: padding rows write their keys there.
+The runner owns the KV cache tensors (per layer, K and V, [num_blocks, block_size, num_kv_heads,
+head_dim], zero-initialised so padded decode reads are finite). On the CPU the backend first lays
+the model's weights out, once (`RunnerBackend.prepare_model`), and the weights and the KV cache live
+in memory advised for transparent huge pages.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 
-from . import hugepages
 from .config import ModelConfig
-from .cuda_graphs import CudaGraphBackend, DecodeBatch, DecodeGraphs, GraphBackend, GraphInputs, capture_sizes
-from .layers.attention_backend import (
-    attach_kernel_views,
-    build_decode_mask,
-    build_prefill_mask,
-    cpu_kernel_available,
-)
-from .layers.attention_metadata import AttentionMetadata, PrefillChunk
-from .layers.linear import uses_compiled_gemv
-from .layers.weight_layout import apply_weight_layout
+from .cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend, GraphInputs, capture_sizes, graphs_wanted
+from .layers.attention_metadata import AttentionMetadata
 from .models.llama import LlamaForCausalLM
-from .prompt_logprobs import PromptRows, rows_for
 from .prompt_logprobs import compute as compute_prompt_logprobs
-from .quant.runtime import prepare_for_cpu
 from .request import Request
+from .runner_backend import RunnerBackend, choose_backend
+from .runner_inputs import SpecRows, StepInputs, decode_batch, prepare_inputs, whole_prompt_inputs
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .sched_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-CUDA_GRAPHS_ENV = "TIDEPOOL_CUDA_GRAPHS"
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -75,132 +67,68 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.computes_prompt_logprobs = True  # False for a speculative draft's runner: nobody reads its prompt's
-        # The compiled CPU attention op reads the kernel views and needs no decode mask or scratch.
-        self.cpu_kernel = device.type == "cpu" and cpu_kernel_available()
-        if device.type == "cpu" and isinstance(model, torch.nn.Module):
-            if not uses_compiled_gemv():
-                apply_weight_layout(model)  # the torch path: per-shape [in, out] storage, faster single-token matmuls
-            prepare_for_cpu(model)  # quantized weights laid out for the compiled ops (a no-op without them)
-            hugepages.pack_weights(model)  # after the layout changes: it moves the tensors as they now are
-        if graph_backend is None and _graphs_wanted(model, device):
+        self.backend: RunnerBackend = choose_backend(device, config, block_size)
+        if isinstance(model, torch.nn.Module):
+            self.backend.prepare_model(model)
+        if graph_backend is None and graphs_wanted(model, device):
             graph_backend = CudaGraphBackend(device)
         self.graphs: DecodeGraphs | None = None
         if graph_backend is not None:
-            max_len = max_model_len or model.rotary.cos_cached.shape[0]
-            max_blocks = -(-max_len // block_size)
+            max_blocks = -(-(max_model_len or model.rotary.cos_cached.shape[0]) // block_size)
             self.graphs = DecodeGraphs(self._graph_forward, capture_sizes(256), max_blocks, num_blocks, block_size,
                                        device, graph_backend)  # fmt: skip
             num_blocks += 1  # the padding rows' sink block
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         started = time.perf_counter()
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(config.num_hidden_layers)]
+        self.kv_caches = [
+            (self.backend.zeros(shape), self.backend.zeros(shape)) for _ in range(config.num_hidden_layers)
+        ]
         self.kv_alloc_seconds = time.perf_counter() - started  # start-up phase "kv_cache" (engine_builder)
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type == "cpu":  # reserved, not touched: pages fault in (kernel-zeroed) as blocks are used
-            return hugepages.zeros(shape, self.config.torch_dtype)
-        return torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        if self.graphs is not None:
-            decode = self._graph_batch(sched_out)
-            if decode is not None:
-                return self._execute_graph(*decode)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_requests = []
-        spec_rows: list[tuple[str, int, int]] = []  # (request id, first logits row, number of rows)
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        prefill_tables: list[list[int]] = []
-        prompt_rows: list[PromptRows] = []
-        bs = self.block_size
-        window = self.config.sliding_window
-        for seq in sched_out.scheduled:
-            start, num_new = seq.num_computed_tokens, seq.num_new_tokens
-            context_len = start + num_new
-            query_start = len(input_ids)
-            rows = rows_for(seq, query_start) if self.computes_prompt_logprobs else None
-            if rows is not None:
-                prompt_rows.append(rows)
-            # Speculative proposals follow the request's known tokens (they are not part of it yet).
-            num_known = context_len - len(seq.spec_token_ids)
-            input_ids.extend(seq.request.token_ids_slice(start, num_known))
-            input_ids.extend(seq.spec_token_ids)
-            blocks = seq.block_ids
-            for pos in range(start, context_len):
-                positions.append(pos)
-                slots.append(blocks[pos // bs] * bs + pos % bs)
-            num_blocks = -(-context_len // bs)
-            if num_new == 1 and seq.needs_sample:
-                decode_tables.append(blocks[:num_blocks])
-                decode_lens.append(context_len)
-            else:
-                prefill_tables.append(blocks[:num_blocks])
-                prefills.append(
-                    PrefillChunk(
-                        query_start=query_start,
-                        num_query_tokens=num_new,
-                        context_len=context_len,
-                        block_ids=self._to_device(blocks[:num_blocks]),
-                        mask=build_prefill_mask(start, num_new, context_len, window, self.device),
-                    )
-                )
-            if seq.needs_sample and seq.spec_token_ids:
-                num_rows = len(seq.spec_token_ids) + 1  # the last known token and each proposal
-                spec_rows.append((seq.request.request_id, len(input_ids) - num_rows, num_rows))
-            elif seq.needs_sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(seq.request)
+        """One step: prepare inputs -> attention metadata -> run -> sample (or a captured graph's replay)."""
+        replayed = self._replay(sched_out)
+        if replayed is not None:
+            return replayed
+        inputs = prepare_inputs(sched_out, self.block_size, self.computes_prompt_logprobs)
+        meta = self.backend.metadata(inputs)
+        hidden = self._run(inputs, meta, self.kv_caches)
+        return self._sample(hidden, inputs)
 
-        decode_mask = None
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        if decode_tables and not self.cpu_kernel:
-            decode_mask = build_decode_mask(decode_lens, max_blocks * bs, window, self.device)
-        scratch = None
-        if decode_tables and self.device.type == "cpu" and not self.cpu_kernel:
-            shape = (len(padded) * max_blocks, *self.kv_caches[0][0].shape[1:])
-            dtype = self.config.torch_dtype
-            scratch = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype))
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            num_decode_seqs=len(decode_tables),
-            decode_block_tables=self._to_device([b for row in padded for b in row]).view(len(padded), max_blocks),
-            decode_mask=decode_mask,
-            decode_kv_scratch=scratch,
-            prefills=prefills,
-        )
-        if self.device.type == "cuda" or self.cpu_kernel:
-            attach_kernel_views(
-                meta,
-                decode_tables + prefill_tables,
-                decode_lens + [c.context_len for c in prefills],
-                [1] * len(decode_tables) + [c.num_query_tokens for c in prefills],
-                window,
-            )
-        hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
+    def _run(
+        self, inputs: StepInputs, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Stage 3: the forward; hidden states [num_tokens, hidden]."""
+        to_device = self.backend.to_device
+        return self.model(to_device(inputs.input_ids), to_device(inputs.positions), kv_caches, meta)
+
+    def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
+        """Stage 4: logits for the rows read back; sampled tokens for the sampling rows."""
         out = ModelRunnerOutput()
-        if prompt_rows:
-            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_rows)
-        if spec_rows:
-            rows = torch.cat([torch.arange(first, first + n, device=self.device) for _, first, n in spec_rows])
-            spec_logits = self.model.compute_logits(hidden[rows])
-            offset = 0
-            for request_id, _, n in spec_rows:
-                out.spec_logits[request_id] = spec_logits[offset : offset + n]
-                offset += n
-        if not sample_rows:
-            return out
-        logits = self.model.compute_logits(hidden[self._to_device(sample_rows)])
-        tokens, logprobs = self.sampler.sample(logits, sample_requests)
-        out.sampled_token_ids = {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}
-        out.logprobs = logprobs
+        if inputs.prompt_rows:
+            out.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inputs.prompt_rows)
+        if inputs.spec_rows:
+            out.spec_logits = self._spec_logits(hidden, inputs.spec_rows)
+        if inputs.sample_rows:
+            logits = self.model.compute_logits(hidden[self.backend.to_device(inputs.sample_rows)])
+            self._sample_tokens(logits, inputs.sample_requests, out)
         return out
+
+    def _spec_logits(self, hidden: torch.Tensor, spec_rows: list[SpecRows]) -> dict[str, torch.Tensor]:
+        """Each proposing request's logits rows (its last known token, then each proposal), one matmul for all."""
+        rows = torch.cat([torch.arange(s.first, s.first + s.num, device=self.device) for s in spec_rows])
+        logits = self.model.compute_logits(hidden[rows])
+        by_request, offset = {}, 0
+        for s in spec_rows:
+            by_request[s.request_id] = logits[offset : offset + s.num]
+            offset += s.num
+        return by_request
+
+    def _sample_tokens(self, logits: torch.Tensor, requests: list[Request], out: ModelRunnerOutput) -> None:
+        tokens, logprobs = self.sampler.sample(logits, requests)
+        out.sampled_token_ids = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        out.logprobs = logprobs
 
     def warm_up(self, what: str) -> None:
         """One prefill and one decode step of a throwaway greedy request, before the engine says it is ready.
@@ -232,101 +160,31 @@ class ModelRunner:
 
         Uses scratch KV tensors of its own, so the shared cache (and its prefix map) is untouched.
         """
-        num_tokens = len(token_ids)
-        num_blocks = -(-num_tokens // self.block_size)
-        shape = (num_blocks, *self.kv_caches[0][0].shape[1:])
+        inputs = whole_prompt_inputs(token_ids, self.block_size)
+        shape = (len(inputs.prefills[0].block_table), *self.kv_caches[0][0].shape[1:])
         dtype = self.config.torch_dtype
         scratch = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in self.kv_caches
         ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=self.device),
-            num_decode_seqs=0,
-            decode_block_tables=torch.zeros(0, 0, dtype=torch.long, device=self.device),
-            decode_mask=None,
-            prefills=[
-                PrefillChunk(
-                    0,
-                    num_tokens,
-                    num_tokens,
-                    torch.arange(num_blocks, device=self.device),
-                    build_prefill_mask(0, num_tokens, num_tokens, self.config.sliding_window, self.device),
-                )
-            ],
-        )
-        if self.device.type == "cuda" or self.cpu_kernel:
-            attach_kernel_views(meta, [list(range(num_blocks))], [num_tokens], [num_tokens], self.config.sliding_window)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch, meta)
+        hidden = self._run(inputs, self.backend.metadata(inputs), scratch)
         return self.model.compute_logits(hidden)
 
-    # ---- host to device, CUDA graphs --------------------------------------------------------------
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """int64 tensor on the device; on CUDA through pinned memory with a non-blocking copy (no sync)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
-
-    def _graph_batch(self, sched_out: SchedulerOutput) -> tuple[DecodeBatch, list[Request]] | None:
-        """The step as a `DecodeBatch` when it is decode-only (one new token, sampled, no proposals) and fits."""
-        scheduled = sched_out.scheduled
-        if self.graphs is None or self.graphs.bucket_for(len(scheduled)) is None:
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    def _replay(self, sched_out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """A decode-only step that fits a captured size, replayed and sampled; None when it runs eagerly."""
+        if self.graphs is None or self.graphs.bucket_for(len(sched_out.scheduled)) is None:
             return None
-        bs = self.block_size
-        batch = DecodeBatch([], [], [], [], [])
-        for seq in scheduled:
-            if seq.num_new_tokens != 1 or not seq.needs_sample or seq.spec_token_ids:
-                return None
-            pos = seq.num_computed_tokens
-            blocks = seq.block_ids
-            batch.input_ids.append(seq.request.token_ids_slice(pos, pos + 1)[0])
-            batch.positions.append(pos)
-            batch.slots.append(blocks[pos // bs] * bs + pos % bs)
-            batch.seq_lens.append(pos + 1)
-            batch.block_tables.append(blocks[: -(-(pos + 1) // bs)])
-        return batch, [seq.request for seq in scheduled]
-
-    def _execute_graph(self, batch: DecodeBatch, requests: list[Request]) -> ModelRunnerOutput:
-        logits = self.graphs.run(batch)
-        tokens, logprobs = self.sampler.sample(logits, requests)
+        decode = decode_batch(sched_out, self.block_size)
+        if decode is None:
+            return None
+        batch, requests = decode
         out = ModelRunnerOutput()
-        out.sampled_token_ids = {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
-        out.logprobs = logprobs
+        self._sample_tokens(self.graphs.run(batch), requests, out)
         return out
 
     def _graph_forward(self, inputs: GraphInputs) -> torch.Tensor:
         """The captured decode forward: reads only the arena views in `inputs`; returns logits [bucket, vocab]."""
-        window = self.config.sliding_window
-        slots, tables, mask = inputs.slot_mapping, inputs.block_tables, None
-        if self.device.type == "cpu":  # the torch attention path (fake-capture tests) indexes with int64
-            slots, tables = slots.long(), tables.long()
-            keys = torch.arange(tables.shape[1] * self.block_size).unsqueeze(0)
-            lens = inputs.seq_lens.long().unsqueeze(1)
-            mask = keys < lens
-            if window is not None:
-                mask &= keys > lens - 1 - window
-            mask = mask[:, None, None, :]
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            num_decode_seqs=inputs.num_seqs,
-            decode_block_tables=tables,
-            decode_mask=mask,
-            block_tables=inputs.block_tables,
-            seq_lens=inputs.seq_lens,
-            cu_seqlens_q=inputs.cu_seqlens_q,
-            sliding_window=window,
-        )
+        meta = self.backend.graph_metadata(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         return self.model.compute_logits(hidden)
-
-
-def _graphs_wanted(model: object, device: torch.device) -> bool:
-    """CUDA graphs by default on CUDA for an in-process model; TIDEPOOL_CUDA_GRAPHS=0 turns them off."""
-    raw = os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{CUDA_GRAPHS_ENV}={raw!r}: expected 1/0 (on/off)")
-    if raw in ("0", "false", "off"):
-        logger.info("CUDA graphs off (%s=%s): every step runs eagerly", CUDA_GRAPHS_ENV, raw)
-        return False
-    return device.type == "cuda" and isinstance(model, torch.nn.Module)

@@ -2,11 +2,18 @@
 
 Role: `LLMEngine.step()` stays schedule → run → update; speculative decoding and the P/D KV
 hand-off (and later features) take part only through the lifecycle points below, which the
-engine calls on every hook in `LLMEngine.hooks`. `StepHook` has no-op defaults, so a hook
-overrides only the points it needs. `HookContext` is what a hook may be built from (see
+engine calls on every hook in `LLMEngine.hooks` (and calls a hook in no other way). `StepHook`
+has no-op defaults, so a hook overrides only the points it needs. `HookContext` is what a hook may be built from (see
 `engine_builder.py`).
 
 When each point is called (all on the engine thread; hooks are not thread-safe):
+- `on_add(request, kv_transfer)`: for every request `LLMEngine.add_request` accepts, once the
+  engine's own checks passed and before the request is queued. A hook that takes part in the
+  request (the KV hand-off: a request carrying `kv_transfer`) returns an `OnAdd`: whether it
+  holds the request outside the scheduler (it is admitted later, through `admitted`), and the
+  requests it can admit now. It may raise `ValueError` to refuse the request, but only before
+  it records anything (the request is then not queued). A `kv_transfer` no hook takes part in is
+  refused by the engine. Otherwise it returns None.
 - `before_schedule(view)`: once per step, before `Scheduler.schedule`. A hook contributes to
   the step through its returned `BeforeSchedule`, never by touching the engine: proposed tokens
   to verify this step (`spec_token_ids`), and requests it put into the scheduler's running
@@ -45,6 +52,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import ModelConfig
+    from .kv_transfer import KVPayload, ProducerParams
     from .request import Request
     from .sampler import Sampler
     from .sched_output import ModelRunnerOutput, SchedulerOutput
@@ -69,8 +77,20 @@ class BeforeSchedule:
     admitted: Iterable[tuple[Request, int]] = ()
 
 
+@dataclass(slots=True)
+class OnAdd:
+    """A hook's part in a request being added."""
+
+    held: bool = False  # the hook holds the request outside the scheduler until it admits it
+    # (request, first token) for each request the hook admits now, as in `BeforeSchedule.admitted`; lazy
+    admitted: Iterable[tuple[Request, int]] = ()
+
+
 class StepHook:
     """Base of every engine feature hook; each method's default does nothing (see the module docstring)."""
+
+    def on_add(self, request: Request, kv_transfer: ProducerParams | KVPayload | None) -> OnAdd | None:
+        return None
 
     def before_schedule(self, view: StepView) -> BeforeSchedule | None:
         return None

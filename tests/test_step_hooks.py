@@ -4,8 +4,10 @@ A recording hook registered on a tiny random-model engine proves the order of th
 points within a step, registration order across hooks, and that `on_finish` comes exactly once
 for every request that was added — finished by length or a stop string, aborted while waiting
 or running, failed in the run (the hook's own `after_run` raising for one request) or in its
-detokenization — and never for an id the engine did not know. Also: a hook's `on_abort` return
-is finished by the engine, `has_pending` keeps the loop going, `stats()` reaches EngineStats.
+detokenization — and never for an id the engine did not know. Also: `on_add` comes for every
+request before it is queued, may refuse it or hold it outside the scheduler (a `kv_transfer` no
+hook takes part in is refused); a hook's `on_abort` return is finished by the engine,
+`has_pending` keeps the loop going, `stats()` reaches EngineStats.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import pytest
 
 from tidepool.engine import SamplingParams
 from tidepool.engine.engine_config import EngineConfig
+from tidepool.engine.kv_transfer import KVPayload, ProducerParams
 from tidepool.engine.llm_engine import LLMEngine
 from tidepool.engine.outputs import RequestOutput
 from tidepool.engine.request import Request
 from tidepool.engine.sched_output import ModelRunnerOutput, SchedulerOutput
-from tidepool.engine.step_hooks import BeforeSchedule, StepHook, StepView
+from tidepool.engine.step_hooks import BeforeSchedule, OnAdd, StepHook, StepView
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -30,10 +33,22 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 class Recorder(StepHook):
     """Records every call as (hook name, point, detail) into a log shared by several recorders."""
 
-    def __init__(self, name: str, log: list[tuple[str, str, Any]], fail_for: str | None = None) -> None:
-        self.name, self.log, self.fail_for = name, log, fail_for
+    def __init__(
+        self, name: str, log: list[tuple[str, str, Any]], fail_for: str | None = None, hold: str | None = None
+    ) -> None:
+        self.name, self.log, self.fail_for, self.hold = name, log, fail_for, hold
         self.held: dict[str, Request] = {}
         self.pending = False
+
+    def on_add(self, request: Request, kv_transfer: ProducerParams | KVPayload | None) -> OnAdd | None:
+        self.log.append((self.name, "on_add", request.request_id))
+        if request.request_id == "refused":
+            raise ValueError("refused by the hook")
+        if request.request_id != self.hold:
+            return None
+        self.held[request.request_id] = request  # as the KV hand-off holds a received request waiting for room
+        self.pending = True
+        return OnAdd(held=True)
 
     def before_schedule(self, view: StepView) -> BeforeSchedule | None:
         self.log.append((self.name, "before_schedule", sorted(r.request_id for r in view.running)))
@@ -101,9 +116,9 @@ def test_points_run_in_step_order_and_hooks_in_registration_order(engine: LLMEng
     assert [(p, d) for h, p, d in log[0::2]] == [(p, d) for h, p, d in log[1::2]]
     assert [h for h, _, _ in log] == ["a", "b"] * (len(log) // 2)
     points = _points(log)
-    # One prefill step and five decode steps, each schedule -> run -> update; then the finish.
-    assert points == ["before_schedule", "after_run", "before_update"] * 6 + ["on_finish"]
-    assert log[0][2] == [] and log[2][2] == ["r"]  # nothing running before the first schedule; then r
+    # The add; one prefill step and five decode steps, each schedule -> run -> update; then the finish.
+    assert points == ["on_add"] + ["before_schedule", "after_run", "before_update"] * 6 + ["on_finish"]
+    assert log[2][2] == [] and log[4][2] == ["r"]  # nothing running before the first schedule; then r
     assert _finished_ids(log) == Counter({"r": 1})
     engine.close()
     assert _points(log)[-1] == "close" and _points(log, "b")[-1] == "close"
@@ -159,20 +174,29 @@ def test_a_failed_request_is_finished_once_and_the_others_carry_on(engine: LLMEn
 
 def test_a_request_a_hook_holds_is_finished_by_the_engine_on_abort(engine: LLMEngine) -> None:
     log: list[tuple[str, str, Any]] = []
-    hook = Recorder("a", log)
+    hook = Recorder("a", log, hold="held")
     engine.hooks.append(hook)
     request = engine.add_request("held", "held outside the scheduler", GREEDY)
-    # Pretend the hook took it (as the KV hand-off does with a received request waiting for room).
-    engine.scheduler.waiting.remove(request)
-    del engine.scheduler.requests["held"]
-    hook.held["held"] = request
-    hook.pending = True
+    assert request not in engine.scheduler.waiting and "held" not in engine.scheduler.requests
     assert engine.has_unfinished_requests()
     outputs = engine.abort_request("held")
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("held", "abort")]
     assert _finished_ids(log) == Counter(["held"])
     hook.pending = False
     assert not engine.has_unfinished_requests()
+
+
+def test_on_add_may_refuse_a_request_and_an_untaken_hand_off_is_refused(engine: LLMEngine) -> None:
+    log: list[tuple[str, str, Any]] = []
+    engine.hooks.append(Recorder("a", log))
+    with pytest.raises(ValueError, match="refused by the hook"):
+        engine.add_request("refused", "hello", GREEDY)
+    with pytest.raises(ValueError, match="kv_role='unified'"):  # no hook takes part in the hand-off
+        engine.add_request("hand-off", "hello", GREEDY, kv_transfer=ProducerParams("t", "127.0.0.1:1"))
+    assert _points(log) == ["on_add", "on_add"] and not engine.has_unfinished_requests()
+    assert engine.scheduler.num_waiting == 0 and not engine._tracked
+    engine.add_request("accepted", "hello", GREEDY)  # the refused ids were never taken
+    assert set(_drain(engine)) == {"accepted"}
 
 
 def test_hook_stats_reach_engine_stats(engine: LLMEngine) -> None:
@@ -182,7 +206,7 @@ def test_hook_stats_reach_engine_stats(engine: LLMEngine) -> None:
 
 
 def test_the_builder_registers_feature_hooks(tiny_model_dir: Path, engine: LLMEngine) -> None:
-    assert engine.hooks == [] and engine.speculator is None and engine.handoff is None
+    assert engine.hooks == [] and engine.speculator is None and engine.kv_connector is None
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     speculating = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), show_progress=False, max_model_len=64, speculative=spec)

@@ -1,13 +1,15 @@
 """The engine's side of the P/D hand-off: which requests send KV, which wait to be admitted with it.
 
 `KVHandoff` is the engine's step hook (step_hooks.py) when its `kv_role` is `prefill` or
-`decode`, and runs on the engine thread only; `LLMEngine.add_request` hands it the requests
-that take part (`add`). Prefill: a producer request's prompt KV and first token are copied out in
-the step that samples that token — before the scheduler retires the request and frees its
-blocks — and sent on a sender thread while the engine keeps stepping. Decode: a received
+`decode`, and runs on the engine thread only; it reaches the engine through the hook points
+alone (`on_add` checks and takes the requests that carry a `kv_transfer`). Prefill: a producer
+request's prompt KV and first token are copied out in the step that samples that token — before
+the scheduler retires the request and frees its blocks — and sent on a sender thread while the
+engine keeps stepping. Decode: a received
 request waits here until the scheduler has room (`Scheduler.add_prefilled_request`, which
 allocates blocks and lets us fill them before anything can read them), in arrival order.
-Hook points: `before_schedule` admits (lazily, one request at a time), `before_update` sends,
+Hook points: `on_add` takes part (a received request is held here and admitted at once when there
+is room), `before_schedule` admits (lazily, one request at a time), `before_update` sends,
 `on_abort` returns a request still waiting, `on_finish` forgets, `close` closes the connector.
 Invariant: a request is in at most one of `producers` and `imports`, and leaves it when it is
 sent, admitted, aborted or finished — so no block and no payload outlives its request.
@@ -24,7 +26,7 @@ import torch
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..sched_output import ModelRunnerOutput, SchedulerOutput
-from ..step_hooks import BeforeSchedule, HookContext, StepHook, StepView
+from ..step_hooks import BeforeSchedule, HookContext, OnAdd, StepHook, StepView
 from . import KVConnector, KVGeometry, KVPayload, KVRole, ProducerParams, gather_kv, scatter_kv
 
 if TYPE_CHECKING:
@@ -62,6 +64,8 @@ class KVHandoff(StepHook):
 
     def check(self, kv_transfer: ProducerParams | KVPayload, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming the problem when this request cannot take part in a hand-off here."""
+        if params.prompt_logprobs is not None or params.max_tokens == 0:
+            raise ValueError("prompt_logprobs and max_tokens=0 are not supported with a P/D KV hand-off")
         if isinstance(kv_transfer, ProducerParams):
             if self.role != "prefill":
                 raise ValueError(f"this engine's kv_role is {self.role!r}; only a 'prefill' engine sends KV")
@@ -79,16 +83,19 @@ class KVHandoff(StepHook):
         if params.logprobs is not None:
             raise ValueError("logprobs are not supported for disaggregated requests yet")
 
-    def add(self, request: Request, kv_transfer: ProducerParams | KVPayload) -> bool:
-        """Take part in a checked request; True when it waits here for admission (not in the scheduler)."""
+    # ---- the step hook ------------------------------------------------------------------------
+    def on_add(self, request: Request, kv_transfer: ProducerParams | KVPayload | None) -> OnAdd | None:
+        """Check and take part in a request that carries a hand-off; a received one waits here for admission."""
+        if kv_transfer is None:
+            return None
+        self.check(kv_transfer, request.prompt_token_ids, request.sampling_params)
         if isinstance(kv_transfer, ProducerParams):
             self.producers[request.request_id] = kv_transfer
-            return False
+            return OnAdd()
         request.output_token_ids.append(kv_transfer.first_token_id)
         self.imports[request.request_id] = (request, kv_transfer)
-        return True
+        return OnAdd(held=True, admitted=self.admit())
 
-    # ---- the step hook ------------------------------------------------------------------------
     def before_schedule(self, view: StepView) -> BeforeSchedule:
         return BeforeSchedule(admitted=self.admit())
 

@@ -11,9 +11,9 @@ implementation ran.
 - CPU tensors with the kernel views, when the compiled CPU op is available
   (`tidepool.engine.cpu_ops`, switched by TIDEPOOL_CPU_ATTENTION): one call for the whole step,
   decodes and prefill chunks alike, reading each sequence's blocks in place (no gather, no
-  padding; the query heads of a KV head share each K/V read). The runner attaches the views on
-  the CPU only when `cpu_kernel_available()`, and then skips the torch path's decode mask and
-  scratch.
+  padding; the query heads of a KV head share each K/V read). On the CPU the runner's backend
+  (`engine/runner_backend.py`, chosen once per runner) attaches the views only when
+  `cpu_kernel_available()`, and then skips the torch path's decode mask and scratch.
 - Otherwise (the reference and fallback), torch's scaled_dot_product_attention: decodes are
   batched by gathering each sequence's blocks (padded to the longest, masked); prefill chunks go
   one by one, attending to the cached prefix plus the chunk, causally aligned to the end of the

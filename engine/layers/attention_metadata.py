@@ -3,10 +3,11 @@
 Token layout of a step: the decode tokens (one per sequence) first, then each prefill chunk's
 tokens in order. Every tensor the kernels need (`block_tables`, `seq_lens`, `cu_seqlens_q`:
 the Triton kernels on CUDA, the compiled op on the CPU) is here, as is what the torch path
-precomputes once per step (masks, scratch). The runner fills the kernel views
-(`attach_kernel_views`) on CUDA, and on the CPU when the compiled op is in use, in which case
-it leaves `decode_mask` and `decode_kv_scratch` unset; without views the backend takes the
-torch path, so a torch-path CPU step pays nothing for them.
+precomputes once per step (masks, scratch). The runner's backend (`engine/runner_backend.py`,
+chosen once per runner) fills the kernel views (`attach_kernel_views`) on CUDA, and on the CPU
+when the compiled op is in use, in which case it leaves `decode_mask` and `decode_kv_scratch`
+unset; without views the layers take the torch path, so a torch-path CPU step pays nothing for
+them.
 """
 
 from __future__ import annotations
