@@ -18,8 +18,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,8 @@ from .proxy import Proxy, ProxySettings
 from .upstream import REPLICA_HEADER, error_response
 
 logger = logging.getLogger(__name__)
+
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class RouterState:
 
 
 def build_app(config: RouterConfig) -> FastAPI:
+    """The router's app: one pool per name, the probes and the proxied routes; discovery and health run beside it."""
     pools = {
         name: Pool(
             name,
@@ -77,6 +80,18 @@ def build_app(config: RouterConfig) -> FastAPI:
         for name in config.pool_names
     }
     state = RouterState(config, pools, RouterMetrics(pools.values()))
+    app = FastAPI(title="Tidepool router", lifespan=_lifespan(state))
+    app.state.router = state
+    _add_error_handlers(app)
+    _add_probe_routes(app, state)
+    _add_models_route(app, state)
+    _add_proxied_routes(app, state)
+    return app
+
+
+def _lifespan(state: RouterState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The upstream client, the proxy and the background tasks (discovery, health), for the app's lifetime."""
+    config, pools = state.config, state.pools
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -109,9 +124,11 @@ def build_app(config: RouterConfig) -> FastAPI:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
 
-    app = FastAPI(title="Tidepool router", lifespan=lifespan)
-    app.state.router = state
-    _add_error_handlers(app)
+    return lifespan
+
+
+def _add_probe_routes(app: FastAPI, state: RouterState) -> None:
+    """The router's own state: `/health`, `/ready`, `/metrics` and `/debug/replicas`."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,14 +161,18 @@ def build_app(config: RouterConfig) -> FastAPI:
                 }
                 for r in pool.replicas.values()
             ]
-            for name, pool in pools.items()
+            for name, pool in state.pools.items()
         }
+
+
+def _add_models_route(app: FastAPI, state: RouterState) -> None:
+    """`GET /v1/models`, answered by a ready replica of the serving pool, held like a request."""
 
     @app.get("/v1/models")
     async def models() -> Response:
         assert state.proxy is not None  # set by the lifespan before any request is served
         pool = state.proxy.serving_pool
-        deadline = time.monotonic() + config.proxy.hold_timeout_s
+        deadline = time.monotonic() + state.config.proxy.hold_timeout_s
         try:
             replica, _ = await pool.acquire(None, deadline)
         except NoReplicaError as err:
@@ -165,6 +186,10 @@ def build_app(config: RouterConfig) -> FastAPI:
         return Response(
             upstream.content, upstream.status_code, {REPLICA_HEADER: replica.label}, media_type="application/json"
         )
+
+
+def _add_proxied_routes(app: FastAPI, state: RouterState) -> None:
+    """The API calls, forwarded by the proxy once their body is a JSON object."""
 
     async def proxied(path: str, raw: Request) -> Response:
         assert state.proxy is not None  # set by the lifespan before any request is served
@@ -186,9 +211,8 @@ def build_app(config: RouterConfig) -> FastAPI:
 
         app.post(path, name=path.strip("/").replace("/", "_"))(route)
 
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in PROXIED_PATHS:
         proxy_route(path)
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -1,8 +1,9 @@
 """FastAPI routes of the OpenAI-compatible server, its lifecycle (load, serve, drain) and error rendering.
 
-Role: the HTTP surface. `/v1/completions`, `/v1/chat/completions`, `/v1/models`, vLLM's
-`/tokenize` and `/detokenize` (tokenization.py), `/health` (liveness), `/ready` (readiness),
-`/metrics`, `/version`, `/debug/kv`.
+Role: the HTTP surface, registered by family: probes (`/health` liveness, `/ready` readiness,
+`/metrics`, `/version`), what the server holds (`/v1/models`, `/debug/kv`) and the gated API
+calls (`/v1/completions`, `/v1/chat/completions`, vLLM's `/tokenize` and `/detokenize`, see
+tokenization.py). What the routes share is a `ServerState` (state.py).
 
 Lifecycle: the app answers at once; the model loads in a background thread, and until it is
 in place `/ready` is 503 and API calls get 503 `loading`. `drain()` (called on SIGTERM) turns
@@ -26,8 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,9 +36,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tidepool.contract.serve_flags import flag_default
-
-from ..engine_config import EngineConfig
 from . import tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes
@@ -47,6 +44,7 @@ from .metrics import EngineMetrics
 from .prompts import PromptEncoder
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, param_from_loc
 from .serving import Serving
+from .state import ServerConfig, ServerState
 from .tools.plan import ToolSettings
 
 logger = logging.getLogger(__name__)
@@ -54,53 +52,21 @@ logger = logging.getLogger(__name__)
 _ABORT_WAIT_S = 5.0  # after aborting, how long the drain waits for the aborted requests to be answered
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    engine: EngineConfig
-    model_name: str
-    # Defaults are the serve-flag table's (one source for the CLI, the operator and this class).
-    max_queue_len: int = flag_default("max-queue-len")  # engine requests waiting before new ones get 429
-    retry_after_s: int = flag_default("retry-after")  # the Retry-After header sent with 429
-    drain_timeout_s: float = flag_default("drain-timeout")  # grace period for in-flight requests after SIGTERM
-    max_body_bytes: int = flag_default("max-body-bytes")  # larger request bodies get 413
-    body_read_timeout_s: float = flag_default("body-read-timeout")  # a client pausing mid-body gets 408
-    enable_auto_tool_choice: bool = flag_default("enable-auto-tool-choice")  # tool_choice "auto" allowed
-    tool_call_parser: str | None = flag_default("tool-call-parser")  # the model's tool-call format (tools/parsers.py)
-
-
-@dataclass(slots=True)
-class ServerState:
-    config: ServerConfig
-    engine: AsyncEngine | None = None
-    serving: Serving | None = None
-    metrics: EngineMetrics | None = None
-    load_error: BaseException | None = None
-    is_draining: bool = False
-    num_inflight: int = 0  # API requests with a complete body, until their last byte is sent
-    num_receiving: int = 0  # API requests whose body is still arriving (they never hold a drain)
-    started: float = field(default_factory=time.time)
-    on_fatal: Callable[[], None] | None = None  # asks the server process to exit (set by the CLI)
-    drain_started: asyncio.Event = field(default_factory=asyncio.Event)
-    hurry: asyncio.Event = field(default_factory=asyncio.Event)  # a second signal: abort now
-
-    @property
-    def engine_died(self) -> bool:
-        return self.engine is not None and self.engine.error is not None
-
-    def not_ready_reason(self) -> str | None:
-        if self.load_error is not None:
-            return "load_failed"
-        if self.is_draining:
-            return "draining"
-        if self.serving is None:
-            return "loading"
-        if self.engine is not None and not self.engine.is_alive:
-            return "engine_dead"
-        return None
-
-
 def build_app(config: ServerConfig) -> FastAPI:
+    """The server's app: the request gate in front, the routes by family, the model loading in the background."""
     state = ServerState(config)
+    app = FastAPI(title="Tidepool", lifespan=_lifespan(state))
+    app.state.tidepool = state
+    app.add_middleware(RequestGate, state=state)  # type: ignore[arg-type]
+    _add_error_handlers(app)
+    _add_probe_routes(app, state)
+    _add_info_routes(app, state)
+    _add_api_routes(app, state)
+    return app
+
+
+def _lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start loading the model when the app starts; stop the engine thread and the encoder when it ends."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,10 +78,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         if state.serving is not None:
             state.serving.encoder.close()
 
-    app = FastAPI(title="Tidepool", lifespan=lifespan)
-    app.state.tidepool = state
-    app.add_middleware(RequestGate, state=state)  # type: ignore[arg-type]
-    _add_error_handlers(app)
+    return lifespan
+
+
+def _add_probe_routes(app: FastAPI, state: ServerState) -> None:
+    """What Kubernetes and Prometheus ask: `/health` (liveness), `/ready` (readiness), `/metrics`, `/version`."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -140,6 +107,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         from tidepool import __version__
 
         return {"version": __version__}
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    """What the server holds: `/v1/models` (OpenAI's model list) and `/debug/kv` (block-pool occupancy)."""
+    config = state.config
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -166,6 +138,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             "num_receiving_http": state.num_receiving,
         }
 
+
+def _add_api_routes(app: FastAPI, state: ServerState) -> None:
+    """The gated API calls (gate.is_api_path): completions, chat completions, vLLM's tokenize and detokenize."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await _require_serving(state).completions(body, raw)
@@ -182,8 +158,6 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: tokenization.DetokenizeRequest) -> Response:
         return JSONResponse(await tokenization.detokenize(_require_serving(state), body))
-
-    return app
 
 
 async def drain(app: FastAPI) -> None:
@@ -245,14 +219,18 @@ def _engine_ready(state: ServerState, engine: AsyncEngine, serving: Serving, loo
 
 def _require_engine(state: ServerState) -> AsyncEngine:
     if state.engine is None:
-        raise APIError("the model is still loading", status_code=503, type="service_unavailable", code="loading")
+        raise _still_loading()
     return state.engine
 
 
 def _require_serving(state: ServerState) -> Serving:
     if state.serving is None:
-        raise APIError("the model is still loading", status_code=503, type="service_unavailable", code="loading")
+        raise _still_loading()
     return state.serving
+
+
+def _still_loading() -> APIError:
+    return APIError("the model is still loading", status_code=503, type="service_unavailable", code="loading")
 
 
 def error_response(err: APIError) -> Response:

@@ -9,8 +9,8 @@ Invariants:
 - Only the engine thread touches the `LLMEngine` (it is not thread-safe); only the event-loop
   thread touches the stream table. The HTTP side reads the engine's facts from `info`, a frozen
   `EngineInfo` built before the thread starts.
-- Commands are applied in the order they were submitted, so an abort never overtakes the add
-  it cancels.
+- Commands (commands.py: `AddRequests`, `AbortRequests`, `StopEngine`) are applied in the order
+  they were submitted, so an abort never overtakes the add it cancels.
 - Admission is bounded: requests queued (submitted but not yet handed to the engine, plus the
   engine's waiting queue) never exceed `max_queue_len`; over the bound `add` raises
   `QueueFullError` before anything is queued. The count errs high, never low.
@@ -31,15 +31,12 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, assert_never
 
-from ..kv_transfer import KVPayload, ProducerParams
 from ..llm_engine import LLMEngine
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
 from ..stats import EngineStats
-from ..structured_outputs import Grammar
+from .commands import AbortRequests, AddRequests, Child, EngineCommand, StopEngine
 from .engine_info import EngineInfo
 from .metrics import EngineMetrics
 
@@ -73,17 +70,6 @@ class ShutdownError(RuntimeError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass(slots=True)
-class Child:
-    """One engine request of an HTTP request (n > 1 and prompt lists fan out into several)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    kv_transfer: ProducerParams | KVPayload | None = None  # P/D disaggregation (see server/disagg.py)
-    grammar: Grammar | None = None  # the compiled form of params.structured_outputs (server/structured.py)
 
 
 class RequestStream:
@@ -131,7 +117,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self.shutdown_error: ShutdownError | None = None
         self.on_dead: Callable[[], None] | None = None  # called on the event loop once the engine thread died
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._num_pending = 0  # submitted, not yet counted in `stats.num_waiting`
         self._live: set[str] = set()  # engine thread only: ids added to the engine and not finished
@@ -173,12 +159,12 @@ class AsyncEngine:
         stream = RequestStream([c.request_id for c in children])
         for child in children:
             self._streams[child.request_id] = stream
-        self._inbox.put(("add", children, arrival_time))
+        self._inbox.put(AddRequests(children, arrival_time))
         return stream
 
     def abort(self, request_ids: list[str] | set[str]) -> None:
         if request_ids:
-            self._inbox.put(("abort", list(request_ids)))
+            self._inbox.put(AbortRequests(list(request_ids)))
 
     def abort_all(self, error: ShutdownError) -> None:
         """Shutdown: abort every engine request, telling its stream why, and refuse and interrupt the rest."""
@@ -186,7 +172,7 @@ class AsyncEngine:
         self._shutdown.set()
         for stream in set(self._streams.values()):
             stream.shutdown_error = error
-        self._inbox.put(("abort", list(self._streams)))
+        self._inbox.put(AbortRequests(list(self._streams)))
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable` unless a shutdown comes first; then it is cancelled and the ShutdownError raised."""
@@ -206,7 +192,7 @@ class AsyncEngine:
         """Abort whatever is left, stop the thread (which closes the engine) and log the block pool's state."""
         if self._thread is None:
             return
-        self._inbox.put(("stop",))
+        self._inbox.put(StopEngine())
         self._thread.join(timeout)
 
     def _dispatch(self, results: list[tuple[str, RequestOutput | BaseException]]) -> None:
@@ -247,14 +233,17 @@ class AsyncEngine:
             outputs: list[RequestOutput] = []
             num_added = 0
             for command in commands:
-                if command[0] == "stop":
-                    self._shutdown_engine()
-                    return
-                if command[0] == "add":
-                    num_added += len(command[1])
-                    self._add(command[1], command[2], results, outputs)
-                else:
-                    outputs.extend(engine.abort_request(command[1]))
+                match command:
+                    case StopEngine():
+                        self._shutdown_engine()
+                        return
+                    case AddRequests(children, arrival_time):
+                        num_added += len(children)
+                        self._add(children, arrival_time, results, outputs)
+                    case AbortRequests(request_ids):
+                        outputs.extend(engine.abort_request(request_ids))
+                    case _:
+                        assert_never(command)
             stepped = engine.has_unfinished_requests()
             if stepped:
                 outputs.extend(engine.step())
@@ -302,8 +291,8 @@ class AsyncEngine:
                 results.extend((c.request_id, error) for c in children)
                 return
 
-    def _take_commands(self, block: bool) -> list[tuple]:
-        commands = []
+    def _take_commands(self, block: bool) -> list[EngineCommand]:
+        commands: list[EngineCommand] = []
         if block:
             try:
                 commands.append(self._inbox.get(timeout=_IDLE_WAIT_S))

@@ -1,12 +1,15 @@
 """`tidepool serve`: the OpenAI-compatible server's command line, and graceful drain on SIGTERM.
 
-Engine flags mirror `LLM(...)` / `EngineConfig` (vLLM's spelling: `--max-model-len`,
-`--no-enable-prefix-caching`, …). The first SIGTERM or SIGINT drains (readiness false, new
-API calls 503, in-flight requests finish within `--drain-timeout`, the rest are aborted and
-told so) and then stops uvicorn; the process exits 0. A second signal aborts what is still in
-flight at once, each request still answered (a 503, or an error event and `[DONE]` on a
-stream), and exits 0. A model that fails to load, an engine thread that dies, or a port that
-cannot be bound (one line on stderr) exit 1.
+Every flag comes from the serve-flag table (tidepool.contract.serve_flags), the table `EngineConfig`
+(`LLM(...)`) and `tidepool generate` are built from too (vLLM's spelling: `--max-model-len`,
+`--no-enable-prefix-caching`, …); argparse enforces the table's bounds, so an out-of-range value
+exits 2 before anything loads.
+
+The first SIGTERM or SIGINT drains (readiness false, new API calls 503, in-flight requests finish
+within `--drain-timeout`, the rest are aborted and told so) and then stops uvicorn; the process
+exits 0. A second signal aborts what is still in flight at once, each request still answered (a
+503, or an error event and `[DONE]` on a stream), and exits 0. A model that fails to load, an
+engine thread that dies, or a port that cannot be bound (one line on stderr) exit 1.
 """
 
 from __future__ import annotations
@@ -49,14 +52,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, value in (("max-queue-len", args.max_queue_len), ("retry-after", args.retry_after)):
-        if value < 0:
-            print(f"tidepool serve: error: --{name} must be >= 0", file=sys.stderr)
-            return 2
-    for name, value in (("max-body-bytes", args.max_body_bytes), ("body-read-timeout", args.body_read_timeout)):
-        if not value > 0:
-            print(f"tidepool serve: error: --{name} must be > 0", file=sys.stderr)
-            return 2
     try:
         config = _server_config(args)
         if args.node_rank != 0:  # a worker-only node: no HTTP, no scheduler; exits when the group shuts down
@@ -67,9 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(config, args.host, args.port, access_log=args.access_log)
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    """The `EngineConfig` the parsed flags describe (what `LLM(...)` takes, from the same table); raises
+    ValueError for a bad value (a flag's JSON, or $MASTER_PORT)."""
+    from ..engine_config import EngineConfig
+
+    kwargs = serve_flags.engine_kwargs(args)
+    # The rendezvous may also come from the environment (torchrun's MASTER_ADDR / MASTER_PORT).
+    kwargs.update(master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1")
+    kwargs.update(master_port=_master_port(args))
+    return EngineConfig(**kwargs, show_progress=False)
+
+
 def _server_config(args: argparse.Namespace) -> Any:
-    from ..engine_config import EngineConfig, resolve_model_path
-    from .app import ServerConfig
+    from ..engine_config import resolve_model_path
+    from .state import ServerConfig
     from .tools.parsers import check_tool_flags
 
     # What `LLM(...)` takes: a folder, a .gguf file (or a folder holding one), a catalogue name (pulled
@@ -79,13 +86,8 @@ def _server_config(args: argparse.Namespace) -> Any:
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # a bad name exits 2 before loading
-    kwargs = serve_flags.engine_kwargs(args)
-    # The rendezvous may also come from the environment (torchrun's MASTER_ADDR / MASTER_PORT).
-    kwargs.update(master_addr=args.master_addr or os.environ.get("MASTER_ADDR") or "127.0.0.1")
-    kwargs.update(master_port=_master_port(args))
-    engine = EngineConfig(**kwargs, show_progress=False)
     return ServerConfig(
-        engine=engine,
+        engine=engine_config(args),
         model_name=args.served_model_name or args.model,
         max_queue_len=args.max_queue_len,
         retry_after_s=args.retry_after,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..kv_transfer import KVTransferError, ProducerParams, parse_kv_transfer_params
-from .async_engine import Child
+from .commands import Child
 from .engine_info import EngineInfo
 from .protocol import APIError, SamplingRequest
 

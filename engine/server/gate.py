@@ -26,15 +26,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .protocol import APIError
-
-if TYPE_CHECKING:
-    from .app import ServerState
-
+from .state import ServerState
 
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, outside /v1/
 _LINGER_S = 5.0  # at most this long discarding the rest of a refused body before answering

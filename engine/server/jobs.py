@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from ..outputs import RequestOutput
 from ..request import check_prompt_token_ids
-from .async_engine import Child
 from .checks import check_min_tokens, sampling_params
+from .commands import Child
 from .engine_info import EngineInfo
 from .prompt_logprobs import engine_prompt_logprobs
 from .protocol import APIError, SamplingRequest, Usage

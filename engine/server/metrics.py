@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -123,6 +124,24 @@ class _Seen:
     last_token_time: float | None
 
 
+class _Families:
+    """Registers metric families in one registry, each labelled `model_name` and bound to this server's model."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, [names.MODEL_NAME_LABEL], registry=self.registry).labels(self.model_name)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, [names.MODEL_NAME_LABEL], registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        family = Histogram(name, doc, [names.MODEL_NAME_LABEL], buckets=buckets, registry=self.registry)
+        return family.labels(self.model_name)  # bound once: `.labels()` looks up a dict per call, per token
+
+
 class EngineMetrics:
     def __init__(
         self,
@@ -132,108 +151,90 @@ class EngineMetrics:
         cache_config: dict[str, str],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        label = [names.MODEL_NAME_LABEL]
-        reg = self.registry
+        self.model_name = model_name
+        self._seen: dict[str, _Seen] = {}
+        self._last: EngineStats | None = None
+        self._spec_logged = (0, 0, time.monotonic())  # (draft, accepted, when) at the last acceptance log line
+        # Registered in vLLM's order, which is the order /metrics lists them in.
+        families = _Families(self.registry, model_name)
+        self._add_gauges(families, cache_config)
+        self._add_counters(families)
+        self._add_latency_histograms(families)
+        self._add_size_histograms(families, max_model_len, max_num_batched_tokens)
+        self._startup = Gauge(names.STARTUP_PHASE_SECONDS, "Seconds each start phase of the engine took.",
+                              [names.MODEL_NAME_LABEL, names.STARTUP_PHASE_LABEL], registry=self.registry)  # fmt: skip
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, label, registry=reg)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*label, *extra], registry=reg)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(name, doc, label, buckets=buckets, registry=reg)
-
-        self._running = gauge(names.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
-        self._waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
-        self._kv_usage = gauge(names.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.")
-        info = Gauge(
-            names.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", sorted(cache_config), registry=reg
-        )
+    def _add_gauges(self, new: _Families, cache_config: dict[str, str]) -> None:
+        """The engine's load now: running and waiting requests, KV-cache usage, and the cache configuration."""
+        self._running = new.gauge(names.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
+        self._waiting = new.gauge(names.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
+        self._kv_usage = new.gauge(names.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.")
+        info = Gauge(names.CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig", sorted(cache_config),
+                     registry=self.registry)  # fmt: skip
         info.labels(**cache_config).set(1)
 
-        self._prompt_tokens = counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.")
-        self._generation_tokens = counter(names.GENERATION_TOKENS, "Number of generation tokens processed.")
-        self._success = counter(
-            names.REQUEST_SUCCESS, "Count of successfully processed requests.", (names.FINISHED_REASON_LABEL,)
+    def _add_counters(self, new: _Families) -> None:
+        """Totals since start: tokens, finished requests by reason, preemptions, prefix-cache and speculation."""
+        self._prompt_tokens = new.counter(names.PROMPT_TOKENS, "Number of prefill tokens processed.")
+        self._generation_tokens = new.counter(names.GENERATION_TOKENS, "Number of generation tokens processed.")
+        by_reason = [names.MODEL_NAME_LABEL, names.FINISHED_REASON_LABEL]
+        self._success = Counter(
+            names.REQUEST_SUCCESS, "Count of successfully processed requests.", by_reason, registry=self.registry
         )
-        self._preemptions = counter(names.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.")
-        self._prefix_queries = counter(
+        self._preemptions = new.counter(names.NUM_PREEMPTIONS, "Cumulative number of preemption from the engine.")
+        self._prefix_queries = new.counter(
             names.PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens."
         )
-        self._prefix_hits = counter(names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.")
-        self._spec_draft = counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.")
-        self._spec_accepted = counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.")
-        self._spec_logged = (0, 0, time.monotonic())  # (draft, accepted, when) at the last acceptance log line
+        self._prefix_hits = new.counter(
+            names.PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self._spec_draft = new.counter(names.SPEC_DECODE_NUM_DRAFT_TOKENS, "Number of draft tokens.")
+        self._spec_accepted = new.counter(names.SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Number of accepted tokens.")
 
-        self._ttft = histogram(
+    def _add_latency_histograms(self, new: _Families) -> None:
+        """Where a request's time went: to its first token, between tokens, end to end, and per phase."""
+        self._ttft = new.histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
-        self._itl = histogram(
+        self._itl = new.histogram(
             names.INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
-        self._tpot = histogram(
+        self._tpot = new.histogram(
             names.TIME_PER_OUTPUT_TOKEN_SECONDS, "Histogram of time per output token in seconds.", ITL_BUCKETS
         )
-        self._e2e = histogram(
+        self._e2e = new.histogram(
             names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
         )
-        self._queue = histogram(
+        self._queue = new.histogram(
             names.REQUEST_QUEUE_TIME_SECONDS,
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self._prefill = histogram(
+        self._prefill = new.histogram(
             names.REQUEST_PREFILL_TIME_SECONDS,
             "Histogram of time spent in PREFILL phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
-        self._decode = histogram(
+        self._decode = new.histogram(
             names.REQUEST_DECODE_TIME_SECONDS,
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+
+    def _add_size_histograms(self, new: _Families, max_model_len: int, max_num_batched_tokens: int) -> None:
+        """Token counts: per finished request (prompt, generated) and per engine step."""
         token_buckets = buckets_1_2_5(max_model_len)
-        self._req_prompt = histogram(names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets)
-        self._req_generation = histogram(
+        self._req_prompt = new.histogram(
+            names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets
+        )
+        self._req_generation = new.histogram(
             names.REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.", token_buckets
         )
-        self._iteration = histogram(
+        self._iteration = new.histogram(
             names.ITERATION_TOKENS_TOTAL,
             "Histogram of number of tokens per engine_step.",
             [b for b in ITERATION_BUCKETS if b <= max_num_batched_tokens],
         )
-
-        self._startup = Gauge(names.STARTUP_PHASE_SECONDS, "Seconds each start phase of the engine took.",
-                              [*label, names.STARTUP_PHASE_LABEL], registry=reg)  # fmt: skip
-
-        self.model_name = model_name
-        self._seen: dict[str, _Seen] = {}
-        self._last: EngineStats | None = None
-        # Bind the label once: `.labels()` looks up a dict per call, which adds up per token.
-        for attr in (
-            "_running",
-            "_waiting",
-            "_kv_usage",
-            "_prompt_tokens",
-            "_generation_tokens",
-            "_preemptions",
-            "_prefix_queries",
-            "_prefix_hits",
-            "_spec_draft",
-            "_spec_accepted",
-            "_ttft",
-            "_itl",
-            "_tpot",
-            "_e2e",
-            "_queue",
-            "_prefill",
-            "_decode",
-            "_req_prompt",
-            "_req_generation",
-            "_iteration",
-        ):
-            setattr(self, attr, getattr(self, attr).labels(model_name))
 
     def record_startup(self, phases: dict[str, float]) -> None:
         """Where this engine's start-up went (`LLMEngine.startup_phases`), once, when it is ready."""

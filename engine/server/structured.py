@@ -22,7 +22,8 @@ from dataclasses import replace
 from typing import Any
 
 from ..structured_outputs import GrammarError, StructuredOutputsParams
-from .async_engine import AsyncEngine, Child
+from .async_engine import AsyncEngine
+from .commands import Child
 from .protocol import APIError, SamplingRequest
 
 # vLLM's `structured_outputs` keys this server honours; anything else is refused, never ignored.

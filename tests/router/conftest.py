@@ -1,8 +1,8 @@
 """Fixtures for the router tests: fake engines and routers served in-process (threads), stopped at the end;
 and two real `tidepool serve` processes on the tiny model, shared by the real-engine modules.
 
-Each real engine loads torch (5-10 s here), so `engines` is session-scoped and started in parallel.
-Tests that kill one (`engines.b`) restart it on the same port before they end (`engines.restart_b`);
+Each real engine loads torch (5-10 s here), so `engine_fleet` is session-scoped and started in parallel.
+Tests that kill one (`engine_fleet.b`) restart it on the same port before they end (`engine_fleet.restart_b`);
 b runs under controlled_serve.py, so a test can hold its requests in flight before it kills it.
 """
 
@@ -24,7 +24,7 @@ def servers() -> Iterator[Servers]:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+def engine_fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     log_dir = tmp_path_factory.mktemp("router-logs")
     args = ["serve", "--model", str(tiny_model_dir), *ENGINE_FLAGS]
     fleet = Engines(tiny_model_dir, log_dir, spawn(log_dir, "a", args), spawn(log_dir, "b", args, controlled=True))

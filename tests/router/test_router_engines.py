@@ -33,16 +33,16 @@ def complete(url: str, prompt: str, **kwargs: Any) -> str:
     return out.choices[0].text
 
 
-def router_flags(engines: Engines) -> list[str]:
-    return ["--unified-url", engines.a.url, "--unified-url", engines.b.url, "--policy", "prefix-aware"]
+def router_flags(engine_fleet: Engines) -> list[str]:
+    return ["--unified-url", engine_fleet.a.url, "--unified-url", engine_fleet.b.url, "--policy", "prefix-aware"]
 
 
-def prompts_placed(engines: Engines, per_replica: int) -> list[str]:
+def prompts_placed(engine_fleet: Engines, per_replica: int) -> list[str]:
     """Short prompts, `per_replica` of them hashed to each replica by the router's own key and ring (the
     replicas' ports are random, so fixed prompts could all land on one), alternating a and b."""
-    args = build_parser().parse_args(router_flags(engines))
-    ring = HashRing([engines.a.url, engines.b.url], args.virtual_nodes)
-    placed: dict[str, list[str]] = {engines.a.url: [], engines.b.url: []}
+    args = build_parser().parse_args(router_flags(engine_fleet))
+    ring = HashRing([engine_fleet.a.url, engine_fleet.b.url], args.virtual_nodes)
+    placed: dict[str, list[str]] = {engine_fleet.a.url: [], engine_fleet.b.url: []}
     for i in range(10_000):
         prompt = f"Story {i}: once upon a time there was"
         target = placed[ring.lookup(prefix_key(prompt, args.prefix_block_chars, args.prefix_max_blocks) or b"")]
@@ -54,15 +54,15 @@ def prompts_placed(engines: Engines, per_replica: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def router(engines: Engines) -> Proc:
-    proc = engines.router(*router_flags(engines))
+def router(engine_fleet: Engines) -> Proc:
+    proc = engine_fleet.router(*router_flags(engine_fleet))
     wait_ready(proc)
     wait_for(lambda: list(replica_states(proc.url).values()) == ["ready", "ready"], what="both replicas ready")
     return proc
 
 
-def test_greedy_output_is_identical_to_direct_serving_streamed_or_not(engines: Engines, router: Proc) -> None:
-    direct, routed = api(engines.a.url), api(router.url)
+def test_greedy_output_is_identical_to_direct_serving_streamed_or_not(engine_fleet: Engines, router: Proc) -> None:
+    direct, routed = api(engine_fleet.a.url), api(router.url)
     for prompt in PROMPTS:
         want = direct.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0).choices[0]
         got = routed.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0).choices[0]
@@ -80,8 +80,8 @@ def test_greedy_output_is_identical_to_direct_serving_streamed_or_not(engines: E
     assert [m.id for m in routed.models.list().data] == ["tiny"]
 
 
-def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(engines: Engines, router: Proc) -> None:
-    urls = (engines.a.url, engines.b.url)
+def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(engine_fleet: Engines, router: Proc) -> None:
+    urls = (engine_fleet.a.url, engine_fleet.b.url)
     before = {url: engine_counters(url) for url in urls}
     landed = set()
     for i in range(6):
@@ -100,9 +100,9 @@ def test_requests_sharing_a_prefix_land_on_one_replica_and_hit_its_cache(engines
 
 
 def test_a_killed_replica_fails_or_retries_in_flight_requests_and_new_ones_avoid_it(
-    engines: Engines, router: Proc
+    engine_fleet: Engines, router: Proc
 ) -> None:
-    prompts = prompts_placed(engines, 4)  # four on each: b has requests in flight when it is killed
+    prompts = prompts_placed(engine_fleet, 4)  # four on each: b has requests in flight when it is killed
     results: dict[int, tuple[str, str]] = {}
 
     def run(i: int) -> None:
@@ -118,18 +118,18 @@ def test_a_killed_replica_fails_or_retries_in_flight_requests_and_new_ones_avoid
             results[i] = ("error", repr(err))
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(prompts))]
-    engines.b.hold()  # b's requests start generating and stay in flight until it is killed, however fast it is
+    engine_fleet.b.hold()  # b's requests start generating and stay in flight until it is killed, however fast it is
     for thread in threads:
         thread.start()
-    wait_for(lambda: engines.b.num_held() >= 2, timeout=60, what="requests held in flight on b")
-    engines.b.proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: engine_fleet.b.num_held() >= 2, timeout=60, what="requests held in flight on b")
+    engine_fleet.b.proc.send_signal(signal.SIGKILL)
     for thread in threads:
         thread.join(180)
         assert not thread.is_alive(), "a request hung after its replica was killed"
     assert len(results) == len(prompts)
     for i, (outcome, text) in results.items():
         if outcome == "ok":  # finished on a, or on b before the kill, or retried on a: the same greedy text
-            assert text == complete(engines.a.url, prompts[i], max_tokens=300, extra_body={"ignore_eos": True})
+            assert text == complete(engine_fleet.a.url, prompts[i], max_tokens=300, extra_body={"ignore_eos": True})
         else:
             assert "failed" in text or "Connection" in text, text
     num_errors = sum(outcome == "error" for outcome, _ in results.values())
@@ -137,22 +137,22 @@ def test_a_killed_replica_fails_or_retries_in_flight_requests_and_new_ones_avoid
     assert num_errors + num_retries >= 1  # the requests on b were cut (streams) or retried on a
     for i in range(4):
         raw = api(router.url).completions.with_raw_response.create(model="tiny", prompt=f"after {i}", max_tokens=3)
-        assert raw.headers["x-tidepool-replica"] == f"127.0.0.1:{engines.a.port}"
-    assert replica_states(router.url)[engines.b.url] == "ejected"
+        assert raw.headers["x-tidepool-replica"] == f"127.0.0.1:{engine_fleet.a.port}"
+    assert replica_states(router.url)[engine_fleet.b.url] == "ejected"
 
 
-def test_a_request_held_at_zero_replicas_is_served_when_a_replica_starts(engines: Engines) -> None:
-    if engines.b.proc.poll() is None:  # run alone: b is still up
-        engines.b.proc.send_signal(signal.SIGKILL)
-        engines.b.proc.wait(10)
-    router = engines.router("--unified-url", engines.b.url, "--hold-timeout", "180", "--eject-seconds", "0")
+def test_a_request_held_at_zero_replicas_is_served_when_a_replica_starts(engine_fleet: Engines) -> None:
+    if engine_fleet.b.proc.poll() is None:  # run alone: b is still up
+        engine_fleet.b.proc.send_signal(signal.SIGKILL)
+        engine_fleet.b.proc.wait(10)
+    router = engine_fleet.router("--unified-url", engine_fleet.b.url, "--hold-timeout", "180", "--eject-seconds", "0")
     wait_ready(router)
     held = 'tidepool_router_held_requests{pool="unified"}'
     result: list[str] = []
     sender = threading.Thread(target=lambda: result.append(complete(router.url, PROMPTS[0], max_tokens=8)))
     sender.start()
     wait_for(lambda: metric_value(router.url, held) == 1, what="the request to be held")
-    wait_ready(engines.restart_b())
+    wait_ready(engine_fleet.restart_b())
     sender.join(60)
-    assert result == [complete(engines.a.url, PROMPTS[0], max_tokens=8)]
+    assert result == [complete(engine_fleet.a.url, PROMPTS[0], max_tokens=8)]
     assert metric_value(router.url, held) == 0

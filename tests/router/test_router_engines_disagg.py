@@ -1,7 +1,7 @@
 """Disaggregated serving through the router: 1 prefill + 2 decode real `tidepool serve` processes (tiny model).
 
 The router runs the hand-off (see tidepool.router.proxy); engine a of the shared
-`engines` fixture, a unified replica, gives the reference output.
+`engine_fleet` fixture, a unified replica, gives the reference output.
 """
 
 from __future__ import annotations
@@ -27,20 +27,20 @@ def api(url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def pd(engines: Engines) -> Iterator[tuple[Proc, dict[str, Proc], Proc]]:
+def pd_fleet(engine_fleet: Engines) -> Iterator[tuple[Proc, dict[str, Proc], Proc]]:
     """(prefill, {kv addr: decode}, router)"""
     timeout = ("--kv-transfer-timeout", "10")
-    prefill = engines.serve("prefill", "--role", "prefill", *timeout)
+    prefill = engine_fleet.serve("prefill", "--role", "prefill", *timeout)
     decoders = {}
     for name in ("d1", "d2"):
         kv_port = free_port()
-        decoders[f"127.0.0.1:{kv_port}"] = engines.serve(
+        decoders[f"127.0.0.1:{kv_port}"] = engine_fleet.serve(
             name, "--role", "decode", "--kv-port", str(kv_port), *timeout, controlled=True
         )
     flags = ["--prefill-url", prefill.url]
     for addr, proc in decoders.items():
         flags += ["--decode-url", f"{proc.url},kv={addr}"]
-    router = engines.router(*flags, "--policy", "prefix-aware")
+    router = engine_fleet.router(*flags, "--policy", "prefix-aware")
     try:
         wait_ready(prefill, *decoders.values(), router)
         wait_for(lambda: list(replica_states(router.url, "decode").values()) == ["ready"] * 2, what="decode ready")
@@ -50,9 +50,11 @@ def pd(engines: Engines) -> Iterator[tuple[Proc, dict[str, Proc], Proc]]:
             proc.stop()
 
 
-def test_disaggregated_output_is_identical_to_unified_serving(engines: Engines, pd: tuple[Proc, dict, Proc]) -> None:
-    _, decoders, router = pd
-    unified, routed = api(engines.a.url), api(router.url)
+def test_disaggregated_output_is_identical_to_unified_serving(
+    engine_fleet: Engines, pd_fleet: tuple[Proc, dict, Proc]
+) -> None:
+    _, decoders, router = pd_fleet
+    unified, routed = api(engine_fleet.a.url), api(router.url)
     served_by = set()
     for prompt in PROMPTS:
         kwargs: dict[str, Any] = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
@@ -71,9 +73,9 @@ def test_disaggregated_output_is_identical_to_unified_serving(engines: Engines, 
 
 
 def test_a_killed_decode_replica_never_hangs_requests_and_is_routed_around(
-    engines: Engines, pd: tuple[Proc, dict, Proc]
+    engine_fleet: Engines, pd_fleet: tuple[Proc, dict, Proc]
 ) -> None:
-    prefill, decoders, router = pd
+    prefill, decoders, router = pd_fleet
     results: dict[int, str] = {}
 
     def run(i: int) -> None:

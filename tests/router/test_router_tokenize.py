@@ -1,6 +1,6 @@
 """`/tokenize` and `/detokenize` through the router: forwarded as they are to one replica of the serving pool.
 
-Unified: a real engine (the shared `engines` fleet) answers through the router exactly what it
+Unified: a real engine (the shared `engine_fleet`) answers through the router exactly what it
 answers directly, errors included. Disaggregated: fake engines show that a tokenizer call goes to
 a decode replica as the client sent it, with no prefill hand-off.
 """
@@ -22,8 +22,8 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 
 @pytest.mark.slow
-def test_tokenizer_calls_reach_a_real_replica_as_they_are(engines: Engines, servers: Servers) -> None:
-    router = servers.router("--unified-url", engines.a.url, wait_ready=1)
+def test_tokenizer_calls_reach_a_real_replica_as_they_are(engine_fleet: Engines, servers: Servers) -> None:
+    router = servers.router("--unified-url", engine_fleet.a.url, wait_ready=1)
     calls: list[tuple[str, dict[str, Any]]] = [
         ("/tokenize", {"model": "tiny", "prompt": "Once upon a time", "return_token_strs": True}),
         ("/tokenize", {"messages": MESSAGES}),
@@ -31,10 +31,10 @@ def test_tokenizer_calls_reach_a_real_replica_as_they_are(engines: Engines, serv
         ("/detokenize", {"tokens": [-1]}),  # its 400
     ]
     for path, body in calls:
-        direct = httpx.post(engines.a.url + path, json=body, timeout=30)
+        direct = httpx.post(engine_fleet.a.url + path, json=body, timeout=30)
         routed = httpx.post(router.url + path, json=body, timeout=30)
         assert (routed.status_code, routed.json()) == (direct.status_code, direct.json()), path
-        assert routed.headers[REPLICA_HEADER] == engines.a.url.removeprefix("http://")
+        assert routed.headers[REPLICA_HEADER] == engine_fleet.a.url.removeprefix("http://")
     tokens = httpx.post(router.url + "/tokenize", json={"prompt": "Once upon a time"}, timeout=30).json()["tokens"]
     assert len(tokens) > 1
     detokenized = httpx.post(router.url + "/detokenize", json={"model": "tiny", "tokens": tokens}, timeout=30)

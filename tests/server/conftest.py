@@ -3,7 +3,7 @@
 `serve(*flags)` starts one and stops it (SIGTERM, then a kill if it hangs) at the end of the
 session; `serve_controlled(*flags)` starts one whose engine the test can pause or crash
 (controlled_serve.py). `server` is one shared instance; tests that read its counters work with
-deltas, since other tests use it too.
+deltas, since other tests use it too. `client` is the official `openai` client of `server`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from serve_proc import Server, start_server
 
@@ -39,3 +40,8 @@ def serve_controlled(serve: Callable[..., Server]) -> Callable[..., Server]:
 @pytest.fixture(scope="session")
 def server(serve: Callable[..., Server]) -> Server:
     return serve()
+
+
+@pytest.fixture(scope="session")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)

@@ -24,7 +24,7 @@ BODIES = [
 
 
 @pytest.fixture(scope="module")
-def pd(serve: Callable[..., Server]) -> tuple[Server, Server, int]:
+def pd_pair(serve: Callable[..., Server]) -> tuple[Server, Server, int]:
     kv_port = free_port()
     decode = serve("--role", "decode", "--kv-port", str(kv_port), "--kv-transfer-timeout", "5")
     prefill = serve("--role", "prefill", "--kv-transfer-timeout", "5")
@@ -49,8 +49,8 @@ def _handoff(prefill: Server, decode: Server, kv_port: int, body: dict, path: st
     return httpx.post(f"{decode.api}/{path}", json=second, timeout=60)
 
 
-def test_outputs_equal_unified_serving(server: Server, pd: tuple[Server, Server, int]) -> None:
-    prefill, decode, kv_port = pd
+def test_outputs_equal_unified_serving(server: Server, pd_pair: tuple[Server, Server, int]) -> None:
+    prefill, decode, kv_port = pd_pair
     for body in BODIES:
         expected = httpx.post(f"{server.api}/completions", json=body, timeout=60).json()["choices"][0]
         got = _handoff(prefill, decode, kv_port, body)
@@ -76,11 +76,11 @@ SCHEMA = {
 
 @pytest.mark.parametrize("temperature", [0, 1.0])
 def test_a_constrained_output_continues_its_grammar_on_the_decode_engine(
-    server: Server, pd: tuple[Server, Server, int], temperature: float
+    server: Server, pd_pair: tuple[Server, Server, int], temperature: float
 ) -> None:
     """The prefill engine samples the first token under the constraint; the decode engine's matcher takes it
     and goes on: the same tokens as unified serving, a valid object."""
-    prefill, decode, kv_port = pd
+    prefill, decode, kv_port = pd_pair
     body = {"prompt": "A pet:", "max_tokens": 60, "temperature": temperature, "seed": 5,
             "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}}  # fmt: skip
     expected = httpx.post(f"{server.api}/completions", json=body, timeout=60).json()["choices"][0]
@@ -93,8 +93,8 @@ def test_a_constrained_output_continues_its_grammar_on_the_decode_engine(
     decode.wait_pool_free()
 
 
-def test_streamed_decode_matches(server: Server, pd: tuple[Server, Server, int]) -> None:
-    prefill, decode, kv_port = pd
+def test_streamed_decode_matches(server: Server, pd_pair: tuple[Server, Server, int]) -> None:
+    prefill, decode, kv_port = pd_pair
     body = {**BODIES[0], "stream": True}
     expected = httpx.post(f"{server.api}/completions", json=BODIES[0], timeout=60).json()["choices"][0]["text"]
     resp = _handoff(prefill, decode, kv_port, body)
@@ -106,8 +106,8 @@ def test_streamed_decode_matches(server: Server, pd: tuple[Server, Server, int])
     decode.wait_pool_free()
 
 
-def test_bad_and_failed_transfers_answer_clearly(pd: tuple[Server, Server, int]) -> None:
-    prefill, decode, kv_port = pd
+def test_bad_and_failed_transfers_answer_clearly(pd_pair: tuple[Server, Server, int]) -> None:
+    prefill, decode, kv_port = pd_pair
     body = {"prompt": "hello", "max_tokens": 1}
     no_addr = {"kv_transfer_params": {"role": "producer", "transfer_id": "x"}}
     cases = [

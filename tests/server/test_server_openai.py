@@ -13,11 +13,6 @@ MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def aclient(server: Server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
 

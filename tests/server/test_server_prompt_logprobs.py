@@ -25,28 +25,23 @@ PROMPT = "Once upon a time there was a little fox"
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
+def reference_llm(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), show_progress=False)
 
 
-def _engine_logprobs(llm: LLM, prompt: str | list[int]) -> tuple[list[int], list[float]]:
-    [out] = llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)
+def _engine_logprobs(reference_llm: LLM, prompt: str | list[int]) -> tuple[list[int], list[float]]:
+    [out] = reference_llm.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)
     ids = out.prompt_token_ids
     assert out.prompt_logprobs is not None
     return ids, [out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))]  # type: ignore[index]
 
 
-def test_echo_logprobs_max_tokens_zero(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+def test_echo_logprobs_max_tokens_zero(client: openai.OpenAI, server: Server, reference_llm: LLM) -> None:
     resp = client.completions.create(model=server.model, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0)
     [choice] = resp.choices
     assert choice.text == PROMPT and choice.finish_reason == "length"
     assert resp.usage is not None and resp.usage.completion_tokens == 0
-    ids, expected = _engine_logprobs(llm, PROMPT)
+    ids, expected = _engine_logprobs(reference_llm, PROMPT)
     lp = choice.logprobs
     assert lp is not None and len(lp.tokens) == len(ids) == resp.usage.prompt_tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -59,12 +54,12 @@ def test_echo_logprobs_max_tokens_zero(client: openai.OpenAI, server: Server, ll
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
-def test_echo_logprobs_token_ids_with_generation(client: openai.OpenAI, server: Server, llm: LLM) -> None:
+def test_echo_logprobs_token_ids_with_generation(client: openai.OpenAI, server: Server, reference_llm: LLM) -> None:
     """lm-eval sends token ids; with n=2 every choice echoes the prompt, then its own generated tokens."""
     prompt = [5, 17, 99, 230, 41, 8]
     resp = client.completions.create(model=server.model, prompt=prompt, echo=True, logprobs=2, max_tokens=3, n=2,
                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-    _, expected = _engine_logprobs(llm, prompt)
+    _, expected = _engine_logprobs(reference_llm, prompt)
     assert len(resp.choices) == 2
     for choice in resp.choices:
         lp = choice.logprobs
@@ -83,10 +78,10 @@ def _post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return resp.json()
 
 
-def test_vllm_prompt_logprobs_completions(server: Server, llm: LLM) -> None:
+def test_vllm_prompt_logprobs_completions(server: Server, reference_llm: LLM) -> None:
     body = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 3})
     [choice] = body["choices"]
-    ids, expected = _engine_logprobs(llm, PROMPT)
+    ids, expected = _engine_logprobs(reference_llm, PROMPT)
     entries = choice["prompt_logprobs"]
     assert len(entries) == len(ids) and entries[0] is None
     for position, entry in enumerate(entries[1:], start=1):

@@ -20,9 +20,10 @@ import pytest
 from serve_proc import Server
 
 from tidepool.engine.engine_config import EngineConfig
-from tidepool.engine.server.app import ServerConfig, ServerState, build_app
+from tidepool.engine.server.app import build_app
 from tidepool.engine.server.gate import RequestGate
 from tidepool.engine.server.prompts import longest_token_chars
+from tidepool.engine.server.state import ServerConfig, ServerState
 from tidepool.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

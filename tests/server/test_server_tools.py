@@ -46,7 +46,7 @@ def tool_server(serve: Callable[..., Server]) -> Server:
 
 
 @pytest.fixture(scope="module")
-def client(tool_server: Server) -> openai.OpenAI:
+def tool_client(tool_server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=tool_server.api, api_key="unused", max_retries=0, timeout=120)
 
 
@@ -91,11 +91,11 @@ def assert_valid(calls: list[tuple[str, str]]) -> None:
     ids=["required", "named"],
 )
 def test_forced_calls_validate_and_stream_the_same(
-    client: openai.OpenAI, tool_server: Server, choice: Any, sampling: dict[str, Any]
+    tool_client: openai.OpenAI, tool_server: Server, choice: Any, sampling: dict[str, Any]
 ) -> None:
     args = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
                 max_tokens=200, **sampling)  # fmt: skip
-    full = client.chat.completions.create(**args)
+    full = tool_client.chat.completions.create(**args)
     choice_ = full.choices[0]
     assert choice_.finish_reason == "tool_calls", choice_
     assert choice_.message.content is None and len(choice_.message.tool_calls or []) == 1
@@ -104,14 +104,14 @@ def test_forced_calls_validate_and_stream_the_same(
     assert_valid(calls_of(choice_.message))
     if isinstance(choice, dict):
         assert call.function.name == "get_time"
-    content, calls, finish = streamed(client, **args)
+    content, calls, finish = streamed(tool_client, **args)
     assert (content, calls, finish) == (None, calls_of(choice_.message), "tool_calls")
     tool_server.wait_pool_free()
 
 
-def test_required_with_parallel_calls(client: openai.OpenAI, tool_server: Server) -> None:
-    full = client.chat.completions.create(model=tool_server.model, messages=MESSAGES, tools=TOOLS,
-                                          tool_choice="required", temperature=1.0, seed=3)  # fmt: skip
+def test_required_with_parallel_calls(tool_client: openai.OpenAI, tool_server: Server) -> None:
+    full = tool_client.chat.completions.create(model=tool_server.model, messages=MESSAGES, tools=TOOLS,
+                                               tool_choice="required", temperature=1.0, seed=3)  # fmt: skip
     message = full.choices[0].message
     assert message.tool_calls and message.content is None
     if full.choices[0].finish_reason == "tool_calls":  # the random model may instead run to max_tokens
@@ -140,39 +140,39 @@ def test_raw_stream_chunks_have_openai_shape(tool_server: Server) -> None:
 
 
 # ---- auto and none ------------------------------------------------------------------------------------
-def test_auto_parses_the_models_calls_streaming_and_not(client: openai.OpenAI, tool_server: Server) -> None:
+def test_auto_parses_the_models_calls_streaming_and_not(tool_client: openai.OpenAI, tool_server: Server) -> None:
     args = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=1.0, seed=5,
                 extra_body={"structured_outputs": {"regex": FORCED}})  # fmt: skip
-    full = client.chat.completions.create(**args)  # tool_choice "auto": the default with tools
+    full = tool_client.chat.completions.create(**args)  # tool_choice "auto": the default with tools
     message = full.choices[0].message
     assert message.content == "Checking." and full.choices[0].finish_reason == "tool_calls"
     [(name, arguments)] = calls_of(message)
     assert name == "get_weather" and json.loads(arguments)["city"] in ("Paris", "Rome")
     assert arguments.startswith('{"city": ')  # the model's own text, not a re-serialisation
-    assert streamed(client, **args) == ("Checking.", calls_of(message), "tool_calls")
+    assert streamed(tool_client, **args) == ("Checking.", calls_of(message), "tool_calls")
 
 
-def test_none_renders_tools_but_never_parses(client: openai.OpenAI, tool_server: Server) -> None:
+def test_none_renders_tools_but_never_parses(tool_client: openai.OpenAI, tool_server: Server) -> None:
     args = dict(model=tool_server.model, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=200,
                 temperature=0, extra_body={"structured_outputs": {"regex": FORCED}})  # fmt: skip
-    full = client.chat.completions.create(**args)
+    full = tool_client.chat.completions.create(**args)
     message = full.choices[0].message
     assert message.tool_calls is None and full.choices[0].finish_reason == "stop"
     assert message.content is not None and message.content.startswith("Checking.\n<tool_call>\n")
-    assert streamed(client, **args) == (message.content, [], "stop")
-    plain = client.chat.completions.create(model=tool_server.model, messages=MESSAGES, max_tokens=1)
+    assert streamed(tool_client, **args) == (message.content, [], "stop")
+    plain = tool_client.chat.completions.create(model=tool_server.model, messages=MESSAGES, max_tokens=1)
     assert full.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools are in the prompt
 
 
-def test_a_conversation_with_tool_results(client: openai.OpenAI, tool_server: Server) -> None:
-    first = client.chat.completions.create(model=tool_server.model, messages=MESSAGES, tools=TOOLS,
-                                           tool_choice="required", parallel_tool_calls=False, max_tokens=200,
-                                           temperature=0)  # fmt: skip
+def test_a_conversation_with_tool_results(tool_client: openai.OpenAI, tool_server: Server) -> None:
+    first = tool_client.chat.completions.create(model=tool_server.model, messages=MESSAGES, tools=TOOLS,
+                                                tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                                temperature=0)  # fmt: skip
     call = first.choices[0].message.tool_calls[0]
     history = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
-    second = client.chat.completions.create(model=tool_server.model, messages=history, tools=TOOLS,
-                                            tool_choice="none", max_tokens=4, temperature=0)  # fmt: skip
+    second = tool_client.chat.completions.create(model=tool_server.model, messages=history, tools=TOOLS,
+                                                 tool_choice="none", max_tokens=4, temperature=0)  # fmt: skip
     assert second.choices[0].message.content is not None
     tokens = httpx.post(tool_server.url + "/tokenize", json={"messages": history, "tools": TOOLS}, timeout=30).json()
     assert tokens["count"] == second.usage.prompt_tokens  # /tokenize renders exactly what the chat feeds the engine

@@ -106,15 +106,15 @@ def smollm() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(smollm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def smollm_server(smollm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     started = start_server(smollm, tmp_path_factory.mktemp("structured-serve"))
     yield started
     started.stop()
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=300)
+def smollm_client(smollm_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smollm_server.api, api_key="unused", max_retries=0, timeout=300)
 
 
 def metric_total(server: Server, name: str) -> float:
@@ -206,9 +206,9 @@ def run_suite(server: Server, cases: tuple[SchemaCase, ...]) -> None:
 
 
 @pytest.mark.slow
-def test_every_schema_greedy_and_sampled_in_mixed_batches(server: Server) -> None:
-    run_suite(server, SCHEMAS)
-    server.wait_pool_free(timeout=60)
+def test_every_schema_greedy_and_sampled_in_mixed_batches(smollm_server: Server) -> None:
+    run_suite(smollm_server, SCHEMAS)
+    smollm_server.wait_pool_free(timeout=60)
 
 
 def run_subset_on_own_server(smollm: Path, log_dir: Path, flags: tuple[str, ...], metric: str, what: str) -> None:
@@ -240,15 +240,21 @@ def test_subset_after_forced_preemption(smollm: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", PARSE_MODELS, ids=lambda m: m.__name__)
-def test_sdk_parse_and_stream_with_a_pydantic_model(client: openai.OpenAI, model: type) -> None:
+def test_sdk_parse_and_stream_with_a_pydantic_model(smollm_client: openai.OpenAI, model: type) -> None:
     prompt = f"Give an example {model.__name__} as JSON."
-    parsed = client.chat.completions.parse(model=MODEL_NAME, messages=messages(prompt), response_format=model,
-                                           temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
+    parsed = smollm_client.chat.completions.parse(model=MODEL_NAME, messages=messages(prompt), response_format=model,
+                                                  temperature=0, max_tokens=MAX_TOKENS)  # fmt: skip
     message = parsed.choices[0].message
     assert parsed.choices[0].finish_reason == "stop", message.content
     assert isinstance(message.parsed, model), message.content
-    with client.chat.completions.stream(model=MODEL_NAME, messages=messages(prompt), response_format=model,
-                                        temperature=1.0, seed=SEED, max_tokens=MAX_TOKENS) as stream:  # fmt: skip
+    with smollm_client.chat.completions.stream(
+        model=MODEL_NAME,
+        messages=messages(prompt),
+        response_format=model,
+        temperature=1.0,
+        seed=SEED,
+        max_tokens=MAX_TOKENS,
+    ) as stream:
         deltas = [event.delta for event in stream if event.type == "content.delta"]
         final = stream.get_final_completion()
     assert final.choices[0].finish_reason == "stop", final.choices[0].message.content
@@ -257,8 +263,8 @@ def test_sdk_parse_and_stream_with_a_pydantic_model(client: openai.OpenAI, model
 
 
 @pytest.mark.slow
-def test_json_object(client: openai.OpenAI) -> None:
-    resp = client.chat.completions.create(
+def test_json_object(smollm_client: openai.OpenAI) -> None:
+    resp = smollm_client.chat.completions.create(
         model=MODEL_NAME, messages=messages("Describe a cat with its name and age as a small JSON object."),
         response_format={"type": "json_object"}, temperature=0, max_tokens=MAX_TOKENS,
     )  # fmt: skip
@@ -283,33 +289,47 @@ EXTENSION_CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", EXTENSION_CASES)
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_vllm_structured_outputs_extension(client: openai.OpenAI, endpoint: str, kind: str) -> None:
+def test_vllm_structured_outputs_extension(smollm_client: openai.OpenAI, endpoint: str, kind: str) -> None:
     constraint, prompt, pattern = EXTENSION_CASES[kind]
     extra = {"structured_outputs": constraint}
     for temperature in (0.0, 1.0):
         if endpoint == "chat":
-            chat = client.chat.completions.create(model=MODEL_NAME, messages=messages(prompt), max_tokens=64,
-                                                  temperature=temperature, seed=SEED, extra_body=extra)  # fmt: skip
+            chat = smollm_client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=messages(prompt),
+                max_tokens=64,
+                temperature=temperature,
+                seed=SEED,
+                extra_body=extra,
+            )
             finish, text = chat.choices[0].finish_reason, chat.choices[0].message.content or ""
         else:
-            completion = client.completions.create(model=MODEL_NAME, prompt=f"{prompt}\nAnswer: ", max_tokens=64,
-                                                   temperature=temperature, seed=SEED, extra_body=extra)  # fmt: skip
+            completion = smollm_client.completions.create(
+                model=MODEL_NAME,
+                prompt=f"{prompt}\nAnswer: ",
+                max_tokens=64,
+                temperature=temperature,
+                seed=SEED,
+                extra_body=extra,
+            )
             finish, text = completion.choices[0].finish_reason, completion.choices[0].text
         assert finish == "stop" and re.fullmatch(pattern, text), (temperature, finish, text)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_vllm_json_extension(client: openai.OpenAI, endpoint: str) -> None:
+def test_vllm_json_extension(smollm_client: openai.OpenAI, endpoint: str) -> None:
     case = SUBSET[0]
     extra = {"structured_outputs": {"json": case.schema}}
     if endpoint == "chat":
-        chat = client.chat.completions.create(model=MODEL_NAME, messages=messages(case.prompt), max_tokens=MAX_TOKENS,
-                                              temperature=0, extra_body=extra)  # fmt: skip
+        chat = smollm_client.chat.completions.create(
+            model=MODEL_NAME, messages=messages(case.prompt), max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
         finish, text = chat.choices[0].finish_reason, chat.choices[0].message.content
     else:
-        completion = client.completions.create(model=MODEL_NAME, prompt=f"{case.prompt}\n", max_tokens=MAX_TOKENS,
-                                               temperature=0, extra_body=extra)  # fmt: skip
+        completion = smollm_client.completions.create(
+            model=MODEL_NAME, prompt=f"{case.prompt}\n", max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
         finish, text = completion.choices[0].finish_reason, completion.choices[0].text
     failure = check_output(case, endpoint, finish, text)
     assert failure is None, failure
@@ -317,19 +337,19 @@ def test_vllm_json_extension(client: openai.OpenAI, endpoint: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_n3_with_a_schema_gives_three_valid_outputs(client: openai.OpenAI, stream: bool) -> None:
+def test_n3_with_a_schema_gives_three_valid_outputs(smollm_client: openai.OpenAI, stream: bool) -> None:
     case = SUBSET[1]
     args: dict[str, Any] = dict(model=MODEL_NAME, messages=messages(case.prompt), n=3, temperature=1.0, seed=SEED,
                                 response_format=json_schema_format(case), max_tokens=MAX_TOKENS)  # fmt: skip
     if stream:
         texts, finishes = ["", "", ""], [None, None, None]
-        for chunk in client.chat.completions.create(**args, stream=True):
+        for chunk in smollm_client.chat.completions.create(**args, stream=True):
             for choice in chunk.choices:
                 texts[choice.index] += choice.delta.content or ""
                 finishes[choice.index] = choice.finish_reason or finishes[choice.index]
         outputs = list(zip(finishes, texts, strict=True))
     else:
-        resp = client.chat.completions.create(**args)
+        resp = smollm_client.chat.completions.create(**args)
         outputs = [(c.finish_reason, c.message.content) for c in sorted(resp.choices, key=lambda c: c.index)]
     assert len(outputs) == 3
     failures = [check_output(case, f"choice {i}", f, t) for i, (f, t) in enumerate(outputs)]

@@ -27,15 +27,9 @@ from tidepool.engine.server.protocol import (
     DeltaMessage,
 )
 from tidepool.engine.server.sse import StreamChunks
+from tidepool.engine.server.tools.deltas import ContentDelta, ToolCallDelta, assemble, extract
 from tidepool.engine.server.tools.hermes import HermesParser
-from tidepool.engine.server.tools.parsers import (
-    ContentDelta,
-    ToolCallDelta,
-    assemble,
-    check_tool_flags,
-    extract,
-    get_parser,
-)
+from tidepool.engine.server.tools.parsers import check_tool_flags, get_parser
 from tidepool.engine.server.tools.plan import NO_TOOLS, ToolPlan, ToolSettings, check_tools, tool_structured_outputs
 from tidepool.engine.server.tools.render import template_inputs, tools_section
 from tidepool.engine.server.tools.replies import ToolStream, tool_call_choice, tool_message

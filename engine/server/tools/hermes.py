@@ -1,6 +1,6 @@
 """The `hermes` tool-call parser: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Qwen2.5, Hermes).
 
-Role: a streaming state machine (parsers.py's interface). Text outside blocks is content; each
+Role: a streaming state machine (deltas.py's interface). Text outside blocks is content; each
 block is a call. The usual block, `{"name": "<string>", "arguments": <value>` (whitespace
 anywhere, `"parameters"` accepted for `"arguments"`), is streamed: the call's first delta is sent
 as soon as its name is known, then the arguments value's raw text as the model writes it, up to
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .parsers import ContentDelta, Delta, ToolCallDelta, new_call_id
+from .deltas import ContentDelta, Delta, ToolCallDelta, new_call_id
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -33,7 +33,8 @@ from typing import Any
 from ...structured_outputs.params import JSON_STYLE, StructuredOutputsParams
 from ...structured_outputs.schemas import strict_schema
 from ..protocol import APIError, ChatCompletionRequest, ChatMessage
-from .parsers import ParserFactory, ToolParser, get_parser
+from .deltas import ParserFactory, ToolParser
+from .parsers import get_parser
 from .schema import NamedToolChoice, ToolDefinition
 
 

@@ -9,7 +9,7 @@ text into SSE choice chunks in OpenAI's exact shape: content deltas as usual, a 
 Invariants:
 - Without a parser (no tools, `tool_choice: "none"`) both paths give exactly what they gave before
   tool calling existed: the text as content, the engine's finish reason, one chunk per piece.
-- With one, both paths read the same parser deltas (parsers.py), so a stream reassembles to the
+- With one, both paths read the same parser deltas (deltas.py), so a stream reassembles to the
   non-streamed message; a choice that made a call and stopped on its own ends with
   `finish_reason: "tool_calls"` (one cut by max_tokens keeps "length", as OpenAI's does).
 - Every piece's logprobs ride on its first chunk; a piece whose text is all held back still sends
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 
 from ..protocol import AssistantMessage, Usage
 from ..sse import StreamChunks
-from .parsers import ContentDelta, Delta, ToolCallDelta, ToolParser, extract
+from .deltas import ContentDelta, Delta, ToolCallDelta, ToolParser, extract
 from .plan import ToolPlan
 
 
