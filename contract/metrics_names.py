@@ -9,7 +9,8 @@ Invariants:
   vLLM registers them). A counter family `X` is exposed as the sample `X_total`; a histogram
   family `X` as `X_bucket`, `X_sum` and `X_count`. `sample_total()` gives the counter sample
   name that PromQL and scrapers see (e.g. `vllm:prompt_tokens_total`).
-- Every metric carries the label `MODEL_NAME_LABEL`; `REQUEST_SUCCESS` also carries
+- Every metric carries the label `MODEL_NAME_LABEL` except `CACHE_CONFIG_INFO` (an info metric of the
+  cache's settings, unlabelled in vLLM too); `REQUEST_SUCCESS` also carries
   `FINISHED_REASON_LABEL` ("stop", "length" or "abort").
 - Timestamps behind the histograms come from the engine's monotonic clock, in seconds.
 - Tidepool's own metrics (no vLLM equivalent) are named `tidepool:*` and listed apart.

@@ -1,29 +1,33 @@
 """The `tidepool serve` flags as one table, from which every part that must agree on them is generated.
 
-- `add_to_parser(parser)`: the server's argparse flags (`tidepool serve --help` shows the table);
-  `resolve_positionals(parser, args)` after parsing (a `positional` flag may be given bare, as
-  vLLM's `vllm serve MODEL` takes the model).
-- `engine_kwargs(args)`: the `EngineConfig` / `LLM(...)` keywords the parsed flags feed.
+- `add_to_parser(parser, flags)`: argparse flags (`tidepool serve --help` shows the whole table;
+  `tidepool generate` takes `GENERATE_FLAGS`); `resolve_positionals(parser, args)` after
+  parsing (a `positional` flag may be given bare, as vLLM's `vllm serve MODEL` takes the model).
+- `engine_kwargs(args, flags)`: the `EngineConfig` / `LLM(...)` keywords the parsed flags feed
+  (JSON flags decoded here, once, for every command line).
+- `EngineConfig`'s fields (engine/engine_config.py) take their default, bounds, choices and
+  description from the flag whose `engine_field` they are: the table is the one source.
 - `render_args(values)`: argv for a `{flag name: value}` mapping (the operator's builders use it).
 - `managed_flags()` / `managed_spellings()`: the flags the operator sets on every engine pod, which
   `engine.extraArgs` may not override (the CRD's CEL rule is generated from them).
 
 Adding a flag is one `ServeFlag(...)` line in `SERVE_FLAGS`. Mark it `managed=True` only if the
 operator's builder sets it (a test proves the builder emits exactly the managed flags); give it
-an `engine_field` when it maps onto an `EngineConfig` keyword (a test proves the field exists and
-that both defaults agree).
+an `engine_field` when it maps onto an `EngineConfig` keyword (and add that field, built by
+`flag_field`; a test proves the two name each other).
 
-Invariants: stdlib only (the operator image has no torch, and imports this module); names are
-unique, spelled without the leading `--`; `default` is the value the server uses when the flag is
-absent; a `bool` flag is negatable (`--x` / `--no-x`), a `switch` is a bare `--x`, and a `json` flag
-carries a JSON object as a string.
+Invariants: stdlib only, no import side effects (the operator image has no torch, and imports this
+module); names are unique, spelled without the leading `--`; `default` is the value the server uses
+when the flag is absent; numeric bounds (`ge`/`gt`/`le`) are enforced by argparse here and by
+pydantic in `EngineConfig`; a `bool` flag is negatable (`--x` / `--no-x`), a `switch` is a bare
+`--x`, and a `json` flag carries a JSON object as a string.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,6 +45,7 @@ GROUPS: dict[str, str] = {
     "limits": "request limits",
 }
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "json": str}
+_OPERATORS = {"ge": ">=", "gt": ">", "le": "<="}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +63,26 @@ class ServeFlag:
     aliases: tuple[str, ...] = ()  # short spellings, e.g. "-tp"
     required: bool = False  # the server refuses to start without it (argparse checks it, resolve_positionals if bare)
     positional: bool = False  # may also be the first bare argument (`tidepool serve MODEL`)
+    ge: float | None = None  # numeric bounds of an int/float flag (argparse and EngineConfig enforce them)
+    gt: float | None = None
+    le: float | None = None
 
     @property
     def option(self) -> str:
         return f"--{self.name}"
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The numeric bounds that are set, as pydantic `Field` keywords (`ge`, `gt`, `le`)."""
+        return {k: v for k, v in (("ge", self.ge), ("gt", self.gt), ("le", self.le)) if v is not None}
+
+    def bound_violation(self, value: float) -> str | None:
+        """Why `value` is out of bounds ("must be >= 1"), or None; NaN is out of any bound."""
+        for op, bound in self.bounds.items():
+            inside = value >= bound if op == "ge" else value > bound if op == "gt" else value <= bound
+            if not inside:
+                return f"must be {_OPERATORS[op]} {bound:g}"
+        return None
 
     @property
     def dest(self) -> str:
@@ -90,29 +111,32 @@ class ServeFlag:
 SERVE_FLAGS: tuple[ServeFlag, ...] = (
     # name, kind, default, help; then its help section, choices, whether the operator sets it, its EngineConfig field.
     ServeFlag("model", "str", None, "Hugging Face model folder, .gguf file (or a folder holding one) or catalogue "
-              "name (`tidepool pull --list`); also accepted bare: `tidepool serve MODEL`", group="",
+              "name (`tidepool pull --list`); may also be given bare (`tidepool serve MODEL`)", group="",
               required=True, positional=True, managed=True, engine_field="model"),
     ServeFlag("tokenizer", "str", None, "tokenizer folder or .gguf file; default: the model", engine_field="tokenizer"),
     ServeFlag("dtype", "str", "auto", "activation/weight dtype; auto uses the checkpoint's",
               choices=("auto", "float32", "bfloat16", "float16"), managed=True, engine_field="dtype"),
     ServeFlag("device", "str", "auto", "'auto', 'cpu', 'cuda' or 'cuda:N'", engine_field="device"),
-    ServeFlag("block-size", "int", 16, "tokens per KV-cache block", managed=True, engine_field="block_size"),
+    ServeFlag("block-size", "int", 16, "tokens per KV-cache block", managed=True, engine_field="block_size",
+              ge=1, le=1024),
     ServeFlag("max-model-len", "int", None, "longest prompt + output in tokens; default: the model's",
-              managed=True, engine_field="max_model_len"),
+              managed=True, engine_field="max_model_len", ge=2),
     ServeFlag("max-num-seqs", "int", 256, "most sequences scheduled in one step",
-              managed=True, engine_field="max_num_seqs"),
-    ServeFlag("max-num-batched-tokens", "int", None, "token budget of one engine step",
-              managed=True, engine_field="max_num_batched_tokens"),
-    ServeFlag("num-kv-blocks", "int", None, "fix the KV cache size in blocks", engine_field="num_kv_blocks"),
-    ServeFlag("kv-cache-memory-bytes", "int", None, "KV budget on CPU", engine_field="kv_cache_memory_bytes"),
+              managed=True, engine_field="max_num_seqs", ge=1),
+    ServeFlag("max-num-batched-tokens", "int", None, "token budget of one engine step; default: 2048",
+              managed=True, engine_field="max_num_batched_tokens", ge=1),
+    ServeFlag("num-kv-blocks", "int", None, "fix the KV cache size in blocks; default: from a memory budget",
+              engine_field="num_kv_blocks", ge=1),
+    ServeFlag("kv-cache-memory-bytes", "int", None, "KV budget on CPU; default: 2 GiB",
+              engine_field="kv_cache_memory_bytes", ge=1),
     ServeFlag("gpu-memory-utilization", "float", 0.9, "fraction of GPU memory for weights + KV cache",
-              managed=True, engine_field="gpu_memory_utilization"),
+              managed=True, engine_field="gpu_memory_utilization", gt=0, le=1),
     ServeFlag("enable-prefix-caching", "bool", True, "reuse KV blocks of shared prompt prefixes",
               managed=True, engine_field="enable_prefix_caching"),
     ServeFlag("enable-chunked-prefill", "bool", True, "split long prompts across steps",
               managed=True, engine_field="enable_chunked_prefill"),
     ServeFlag("num-threads", "int", None, "CPU threads for torch ops; default: $TIDEPOOL_NUM_THREADS, else the "
-              "cgroup's CPU quota", engine_field="num_threads"),
+              "cgroup's CPU quota", engine_field="num_threads", ge=1),
     ServeFlag("seed", "int", 0, "sampling seed of requests that set none", engine_field="seed"),
     ServeFlag("quantization", "str", None,
               "check a quantized checkpoint's method, quantize a dense model to int8/int4 at load, or gguf: "
@@ -125,30 +149,30 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("role", "str", "unified",
               "'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port", group="disagg",
               choices=("unified", "prefill", "decode"), managed=True, engine_field="kv_role"),
-    ServeFlag("kv-port", "int", 14579, "TCP port of the KV receiver (decode role)", group="disagg",
-              managed=True, engine_field="kv_port"),
-    ServeFlag("kv-transfer-timeout", "float", 30.0, "seconds a KV transfer may take", group="disagg",
-              engine_field="kv_transfer_timeout_s"),
-    ServeFlag("tensor-parallel-size", "int", 1, "ranks each layer is split over", group="parallel", aliases=("-tp",),
-              managed=True, engine_field="tensor_parallel_size"),
-    ServeFlag("pipeline-parallel-size", "int", 1, "pipeline stages", group="parallel", aliases=("-pp",),
-              managed=True, engine_field="pipeline_parallel_size"),
+    ServeFlag("kv-port", "int", 14579, "TCP port of the KV receiver (decode role; 0: any free port)",
+              group="disagg", managed=True, engine_field="kv_port", ge=0, le=65535),
+    ServeFlag("kv-transfer-timeout", "float", 30.0, "seconds a KV transfer may take end to end", group="disagg",
+              engine_field="kv_transfer_timeout_s", gt=0),
+    ServeFlag("tensor-parallel-size", "int", 1, "ranks each layer is split over (heads, MLP, vocab)",
+              group="parallel", aliases=("-tp",), managed=True, engine_field="tensor_parallel_size", ge=1),
+    ServeFlag("pipeline-parallel-size", "int", 1, "pipeline stages the decoder layers are split into",
+              group="parallel", aliases=("-pp",), managed=True, engine_field="pipeline_parallel_size", ge=1),
     ServeFlag("nnodes", "int", 1, "nodes the tp x pp ranks span (tp*pp/nnodes each)", group="parallel",
-              managed=True, engine_field="nnodes"),
+              managed=True, engine_field="nnodes", ge=1),
     ServeFlag("node-rank", "int", 0, "this node's index: 0 serves the API, others run worker ranks only "
               "(and a health endpoint on --port)", group="parallel", managed=True),
     ServeFlag("master-addr", "str", None, "node 0's address; default $MASTER_ADDR or 127.0.0.1", group="parallel",
               managed=True, engine_field="master_addr"),
-    ServeFlag("master-port", "int", None, "rendezvous port on node 0; default $MASTER_PORT or 29500",
-              group="parallel", managed=True, engine_field="master_port"),
+    ServeFlag("master-port", "int", None, "rendezvous port on node 0; default $MASTER_PORT or 29500 "
+              "(LLM(...): a free port)", group="parallel", managed=True, engine_field="master_port", ge=1, le=65535),
     ServeFlag("host", "str", "0.0.0.0", "address the HTTP server binds", group="server", managed=True),
     ServeFlag("port", "int", 8000, "HTTP port (node 0: the API; other nodes: the health endpoint)", group="server",
               managed=True),
     ServeFlag("served-model-name", "str", None, "the model id clients use; default: --model", group="server",
               managed=True),
     ServeFlag("max-queue-len", "int", 1024, "engine requests allowed to wait before new requests get 429",
-              group="server"),
-    ServeFlag("retry-after", "int", 1, "seconds sent in Retry-After with a 429", group="server"),
+              group="server", ge=0),
+    ServeFlag("retry-after", "int", 1, "seconds sent in Retry-After with a 429", group="server", ge=0),
     ServeFlag("drain-timeout", "float", 30.0, "seconds in-flight requests get to finish after SIGTERM",
               group="server", managed=True),
     ServeFlag("access-log", "switch", False, "log every HTTP request", group="server"),
@@ -158,12 +182,15 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "(<tool_call> JSON blocks: Qwen2.5, Hermes; SmolLM2's JSON lists in them too)", group="server"),
     # Also caps the event loop's JSON parsing of one body (worst case ~0.1 s per MB on a slow core).
     ServeFlag("max-body-bytes", "int", 16 << 20, "largest request body accepted; larger ones get 413 "
-              "(default: 16 MiB)", group="limits"),
+              "(default: 16 MiB)", group="limits", gt=0),
     ServeFlag("body-read-timeout", "float", 30.0, "seconds a client may pause while sending a request body "
-              "before it gets 408", group="limits"),
+              "before it gets 408", group="limits", gt=0),
 )  # fmt: skip
 
 FLAGS: dict[str, ServeFlag] = {f.name: f for f in SERVE_FLAGS}
+# `tidepool generate`'s engine flags (beside its own prompt and sampling ones): the model and the
+# "engine (as LLM(...))" section, spelled as `tidepool serve` spells them.
+GENERATE_FLAGS: tuple[ServeFlag, ...] = tuple(f for f in SERVE_FLAGS if f.group in ("", "engine"))
 
 
 def flag_default(name: str) -> Any:
@@ -196,7 +223,7 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = 
         else:
             section.add_argument(
                 *spellings,
-                type=_TYPES[flag.kind],
+                type=_converter(flag),
                 default=flag.default,
                 choices=flag.choices,
                 required=flag.required and not flag.positional,  # a bare value may stand in for it
@@ -206,6 +233,23 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = 
             section.add_argument(
                 _positional_dest(flag), nargs="?", metavar=flag.name.upper(), help=f"the same as {flag.option}"
             )
+
+
+def _converter(flag: ServeFlag) -> Callable[[str], Any]:
+    """argparse's `type` for a valued flag: the kind's type, checked against the flag's bounds."""
+    kind_type = _TYPES[flag.kind]
+    if not flag.bounds:
+        return kind_type
+
+    def convert(raw: str) -> Any:
+        value = kind_type(raw)  # a ValueError here reads "invalid int value: 'x'"
+        problem = flag.bound_violation(value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(f"{problem}, got {raw}")
+        return value
+
+    convert.__name__ = kind_type.__name__  # what argparse names in "invalid int value"
+    return convert
 
 
 def _positional_dest(flag: ServeFlag) -> str:
@@ -241,10 +285,10 @@ def parse_json_object(flag: ServeFlag, raw: str) -> dict[str, Any]:
     return value
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`EngineConfig` keywords of the parsed flags (JSON flags decoded); raises ValueError naming a bad flag."""
+def engine_kwargs(args: argparse.Namespace, flags: Iterable[ServeFlag] = SERVE_FLAGS) -> dict[str, Any]:
+    """`EngineConfig` keywords of the parsed `flags` (JSON flags decoded); raises ValueError naming a bad flag."""
     out: dict[str, Any] = {}
-    for flag in SERVE_FLAGS:
+    for flag in flags:
         if flag.engine_field is None:
             continue
         value = getattr(args, flag.dest)

@@ -1,4 +1,10 @@
-"""Engine configuration: the keyword arguments of `LLM(...)` (and later `tidepool serve` flags).
+"""Engine configuration: the keyword arguments of `LLM(...)`, fed as well by `tidepool serve` and
+`tidepool generate` flags.
+
+One source: every field that a `tidepool serve` flag sets is built by `flag_field` from that flag
+(tidepool.contract.serve_flags, whose `engine_field` names the field): its default, numeric bounds,
+choices and description live in the table, never here. Only what no flag sets (`show_progress`)
+and the Python types of the fields are written here.
 
 Pydantic at the edge: unknown or out-of-range values raise `ValueError` (pydantic's
 `ValidationError` is one) naming the field. Cross-field checks that need the model's config
@@ -15,61 +21,64 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tidepool.contract.quantization import QUANTIZATION_METHODS
+from tidepool.contract.serve_flags import FLAGS
 
 from .config import DTYPES, ModelConfig
 from .spec_decode.config import SpeculativeConfig
 
+# Defaults the engine picks when the flag is unset (their flags' help names them; a test keeps the two in step).
 CPU_KV_CACHE_BYTES = 2 << 30  # default KV budget on CPU (vLLM's CPU backend defaults to 4 GiB)
-# `quantization=` values (contract/quantization.py, torch-free, shared with the CLI flags).
-Quantization = Literal[QUANTIZATION_METHODS]  # type: ignore[valid-type]
+MAX_NUM_BATCHED_TOKENS = 2048
+# Choices are the flag table's (quantization's are contract/quantization.py's, shared with the CRD).
+Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
+Quantization = Literal[FLAGS["quantization"].choices]  # type: ignore[valid-type]
+KvRole = Literal[FLAGS["role"].choices]  # type: ignore[valid-type]
+SERVE_FLAG_KEY = "serve_flag"  # json_schema_extra key naming the flag a field is built from
+
+
+def flag_field(name: str, **override: Any) -> Any:
+    """A pydantic Field built from serve flag `name`: its default (required when the flag is), bounds and help."""
+    flag = FLAGS[name]
+    kwargs: dict[str, Any] = {"default": ... if flag.required else flag.default, **flag.bounds, **override}
+    return Field(description=flag.help, json_schema_extra={SERVE_FLAG_KEY: name}, **kwargs)
 
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Hugging Face model folder, .gguf file (or a folder with one) or catalogue name")
-    tokenizer: str | None = Field(None, description="Tokenizer folder or .gguf file; defaults to the model")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:N'")
-    block_size: int = Field(16, ge=1, le=1024)
-    max_model_len: int | None = Field(None, ge=2, description="Prompt + output tokens; default: the model's positions")
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget per step; default 2048")
-    num_kv_blocks: int | None = Field(None, ge=1, description="Fix the KV cache size; default: from a memory budget")
-    kv_cache_memory_bytes: int | None = Field(None, ge=1, description="KV budget on CPU; default 2 GiB")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    show_progress: bool = True
-    num_threads: int | None = Field(
-        None, ge=1, description="CPU threads for torch ops; default: TIDEPOOL_NUM_THREADS, else from the cgroup quota"
-    )
-    quantization: Quantization | None = Field(
-        None,
-        description="Check (gptq/awq/int8/int4 checkpoints) or apply at load (int8/int4 on a dense model); "
-        "gguf: keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized (default for GGUF: dequantize to dtype)",
-    )
-    speculative: SpeculativeConfig | None = Field(
-        None, description="Speculative decoding: {'method': 'ngram'|'draft', 'draft_model': PATH, ...}"
-    )
-    kv_role: Literal["unified", "prefill", "decode"] = Field(
-        "unified", description="P/D disaggregation role: 'prefill' sends prompt KV, 'decode' receives it"
-    )
-    kv_port: int = Field(14579, ge=0, le=65535, description="TCP port of a decode engine's KV receiver (0: any free)")
-    kv_transfer_timeout_s: float = Field(30.0, gt=0, description="How long a KV transfer may take end to end")
+    model: str = flag_field("model")
+    tokenizer: str | None = flag_field("tokenizer")
+    dtype: Dtype = flag_field("dtype")
+    device: str = flag_field("device")
+    block_size: int = flag_field("block-size")
+    max_model_len: int | None = flag_field("max-model-len")
+    max_num_seqs: int = flag_field("max-num-seqs")
+    max_num_batched_tokens: int | None = flag_field("max-num-batched-tokens")
+    num_kv_blocks: int | None = flag_field("num-kv-blocks")
+    kv_cache_memory_bytes: int | None = flag_field("kv-cache-memory-bytes")
+    gpu_memory_utilization: float = flag_field("gpu-memory-utilization")
+    enable_prefix_caching: bool = flag_field("enable-prefix-caching")
+    enable_chunked_prefill: bool = flag_field("enable-chunked-prefill")
+    seed: int = flag_field("seed")
+    show_progress: bool = Field(True, description="Show progress bars while the engine loads")
+    num_threads: int | None = flag_field("num-threads")
+    quantization: Quantization | None = flag_field("quantization")
+    speculative: SpeculativeConfig | None = flag_field("speculative-config")
+    kv_role: KvRole = flag_field("role")
+    kv_port: int = flag_field("kv-port")
+    kv_transfer_timeout_s: float = flag_field("kv-transfer-timeout")
     # Parallelism (engine/distributed): tp x pp ranks, rank 0 in this process, the rest worker processes.
-    tensor_parallel_size: int = Field(1, ge=1, description="Ranks each layer is split over (heads, MLP, vocab)")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages the decoder layers are split into")
-    nnodes: int = Field(1, ge=1, description="Machines the tp x pp ranks span; this process is node 0's driver")
-    master_addr: str = Field("127.0.0.1", description="Address other nodes reach this node's rendezvous at")
-    master_port: int | None = Field(None, ge=1, le=65535, description="Rendezvous port; default: a free port")
+    tensor_parallel_size: int = flag_field("tensor-parallel-size")
+    pipeline_parallel_size: int = flag_field("pipeline-parallel-size")
+    nnodes: int = flag_field("nnodes")
+    # The flag defaults to None so that `tidepool serve` can fall back to $MASTER_ADDR; LLM(...) reads no environment.
+    master_addr: str = flag_field("master-addr", default="127.0.0.1")
+    master_port: int | None = flag_field("master-port")
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +109,7 @@ def resolve(config: EngineConfig, model: ModelConfig) -> ResolvedConfig:
             f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
             f"{model.max_position_embeddings}; lower max_model_len"
         )
-    batched = config.max_num_batched_tokens or 2048
+    batched = config.max_num_batched_tokens or MAX_NUM_BATCHED_TOKENS
     if not config.enable_chunked_prefill and batched < max_model_len:
         raise ValueError(
             f"max_num_batched_tokens={batched} is smaller than max_model_len={max_model_len} with chunked prefill "

@@ -26,6 +26,10 @@ Message = dict[str, Any]
 
 
 class LLM:
+    """`LLM(model, **kwargs)`: the keywords are `EngineConfig`'s fields, the values `tidepool serve` and
+    `tidepool generate` flags set (the flag `--max-num-seqs` is `max_num_seqs`; the table in
+    contract/serve_flags.py maps each flag to its field and holds its default, bounds and help)."""
+
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._counter = itertools.count()

@@ -1,7 +1,9 @@
-"""The `tidepool` console script: make-model and generate work end to end; a bad model exits 1 with one line."""
+"""The `tidepool` console script: make-model and generate work end to end; a bad model exits 1 with one line;
+generate's engine flags are `tidepool serve`'s."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -32,10 +34,36 @@ def test_generate_missing_model_is_a_clear_error(tmp_path: Path, capsys: pytest.
 
 
 def test_generate_invalid_engine_option_is_one_line(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """pydantic's multi-line report becomes one `field: message` line."""
-    assert main(["generate", "--model", str(tiny_model_dir), "--max-num-seqs", "0"]) == 1
+    """pydantic's multi-line report becomes one `field: message` line; JSON the table cannot decode, one line too."""
+    bad_k = '{"method": "ngram", "num_speculative_tokens": 0}'
+    assert main(["generate", str(tiny_model_dir), "--speculative-config", bad_k]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tidepool generate: error: max_num_seqs: ")
+    assert len(err) == 1 and err[0].startswith("tidepool generate: error: speculative.num_speculative_tokens: ")
+    assert main(["generate", str(tiny_model_dir), "--speculative-config", "{method"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--speculative-config is not valid JSON" in err[0]
+
+
+GENERATE_OWN_OPTIONS = {"-h", "--help", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-p", "--top-k"}
+
+
+def test_generate_takes_the_engine_flags_as_serve_spells_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """Besides its own prompt and sampling options, `tidepool generate` has exactly the table's engine flags
+    (generated, so `--no-enable-prefix-caching` as in `tidepool serve`); out-of-range values exit 2 as there."""
+    from tidepool.cli import build_parser
+    from tidepool.contract.serve_flags import GENERATE_FLAGS
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = {s for action in subparsers.choices["generate"]._actions for s in action.option_strings}
+    assert options - GENERATE_OWN_OPTIONS == {s for f in GENERATE_FLAGS for s in (*f.spellings(), *f.aliases)}
+    assert {"--model", "--no-enable-prefix-caching", "--speculative-config", "--seed"} <= options
+    for argv in (["m", "--no-prefix-caching"], ["m", "--max-num-seqs", "0"], []):
+        with pytest.raises(SystemExit) as exc:
+            main(["generate", *argv])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --no-prefix-caching" in err and "argument --max-num-seqs: must be >= 1" in err
+    assert "--model (or bare: MODEL) is required" in err
 
 
 def test_unknown_preset_rejected_by_argparse() -> None:

@@ -189,3 +189,22 @@ def test_importing_the_engine_first_makes_waits_passive() -> None:
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "PASSIVE OpenMP wait policy PASSIVE"
+
+
+def test_processes_that_are_not_engines_keep_openmp_and_torch_out() -> None:
+    """The engine's one import side effect (engine/__init__.py) stays out of the operator and the router: neither
+    they, the `tidepool` console script nor the contract they share with the engine import tidepool.engine."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, os, pkgutil, sys, tidepool.contract as c; "
+        "[importlib.import_module(f'tidepool.contract.{m.name}') for m in pkgutil.iter_modules(c.__path__)]; "
+        "import tidepool.cli, tidepool.operator.main, tidepool.router.cli; "
+        "print(sorted(m for m in sys.modules if m.startswith('tidepool.engine') or m == 'torch'), "
+        "os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/", check=True)
+    assert out.stdout.strip() == "[] None"

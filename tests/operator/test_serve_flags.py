@@ -1,7 +1,9 @@
-"""The serve-flag table, `tidepool serve`'s parser, the builder's engine args and MANAGED_FLAGS agree, flag by flag.
+"""The serve-flag table, `tidepool serve`'s parser, `EngineConfig`, the builder's engine args and MANAGED_FLAGS
+agree, flag by flag.
 
 Every check is driven by `SERVE_FLAGS` (one parametrized case per flag or spelling), so a flag added to
-the table is checked without touching this file; a flag added anywhere else fails here.
+the table is checked without touching this file; a flag added anywhere else fails here. Where values must
+agree, real argv goes through the real parsers and is compared with hand-written `LLM(...)` keywords.
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ import argparse
 import re
 import subprocess
 import sys
+import types
 from typing import Any
 
 import pytest
 
 from tidepool.contract import serve_flags
 from tidepool.contract.serve_flags import FLAGS, SERVE_FLAGS, ServeFlag, managed_spellings, render_args
-from tidepool.engine.server.cli import build_parser, parse_args
-from tidepool.operator.api import EngineSpec, InferenceServiceSpec, rules, serve_flag_fields, validate_spec
-from tidepool.operator.builders import ClusterFeatures, build_children
+from tidepool.engine.engine_config import SERVE_FLAG_KEY, EngineConfig
+from tidepool.engine.server.cli import build_parser, engine_config, parse_args
+from tidepool.operator.api import InferenceServiceSpec, rules, serve_flag_fields, validate_spec
+from tidepool.operator.builders import ClusterFeatures, ServiceView, desired_state
 
 BASE: dict[str, Any] = {
     "model": {"uri": "hf://org/model"},
@@ -49,7 +53,7 @@ RANK_ENV = {
 def engine_arg_lists(spec: dict[str, Any], features: ClusterFeatures) -> list[list[str]]:
     """The engine containers' args of every pool, $(VAR)s expanded as the kubelet would."""
     out = []
-    for child in build_children("svc", "ns", spec, features):
+    for child in desired_state("svc", "ns", ServiceView.from_spec(spec), features).children:
         if child["kind"] not in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
             continue
         pod = child["spec"].get("template") or child["spec"]["leaderWorkerTemplate"]["workerTemplate"]
@@ -85,6 +89,8 @@ def test_table_is_well_formed() -> None:
         assert not flag.name.startswith("-") and flag.name == flag.name.lower(), flag.name
         assert flag.group in serve_flags.GROUPS and flag.help, flag.name
         assert flag.choices is None or flag.default is None or flag.default in flag.choices, flag.name
+        assert not flag.bounds or flag.kind in ("int", "float"), flag.name
+        assert flag.default is None or flag.bound_violation(flag.default) is None, flag.name
 
 
 def _actions() -> dict[str, argparse.Action]:
@@ -103,7 +109,34 @@ def test_parser_has_exactly_the_tables_flag(flag: ServeFlag) -> None:
     elif flag.kind == "switch":
         assert action.nargs == 0 and action.default is False
     else:
-        assert action.type is {"int": int, "float": float}.get(flag.kind, str)
+        assert action.type.__name__ == {"int": "int", "float": "float"}.get(flag.kind, "str")  # bounds: below
+
+
+BOUND_CASES = [(flag, op, bound) for flag in SERVE_FLAGS for op, bound in flag.bounds.items()]
+
+
+@pytest.mark.parametrize(("flag", "op", "bound"), BOUND_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_parser_enforces_the_tables_bounds(
+    flag: ServeFlag, op: str, bound: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A value just past a bound exits 2 naming it, and EngineConfig (LLM(...)) refuses it too; the bound itself
+    passes where it is inclusive."""
+    step = 1 if flag.kind == "int" else 0.5
+    outside = bound - step if op in ("ge", "gt") else bound + step
+    raw = str(int(outside) if flag.kind == "int" else outside)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["m", flag.option, raw])
+    symbol = {"ge": ">=", "gt": ">", "le": "<="}[op]
+    err = capsys.readouterr().err
+    assert (
+        exc.value.code == 2 and f"argument {flag.option}" in err and f": must be {symbol} {bound:g}, got {raw}" in err
+    )
+    if flag.engine_field:
+        with pytest.raises(ValueError, match=flag.engine_field):
+            EngineConfig(model="m", **{flag.engine_field: outside})
+    if op != "gt":
+        value = int(bound) if flag.kind == "int" else float(bound)
+        assert getattr(parse_args(["m", flag.option, str(value)]), flag.dest) == value
 
 
 def test_parser_has_no_flag_outside_the_table() -> None:
@@ -191,23 +224,88 @@ def test_unmanaged_flags_are_allowed_in_extra_args(flag: ServeFlag) -> None:
     assert engine_args[-len(args) :] == args  # last, in their order
 
 
-@pytest.mark.parametrize("flag", [f for f in SERVE_FLAGS if f.engine_field], ids=lambda f: f.name)
-def test_engine_fields_exist_and_defaults_agree(flag: ServeFlag) -> None:
-    """`LLM(...)` (EngineConfig) and `tidepool serve` default alike; master-addr is resolved by the CLI
-    ($MASTER_ADDR, then 127.0.0.1), so its flag default is None."""
-    from tidepool.engine.engine_config import EngineConfig
+def test_engine_config_fields_are_built_from_the_flags_that_name_them() -> None:
+    """Each flag's `engine_field` is an EngineConfig field built by `flag_field` from that very flag, and every
+    field built from a flag is that flag's `engine_field` (a field built from the wrong flag fails here)."""
+    built_from = {
+        name: (info.json_schema_extra or {}).get(SERVE_FLAG_KEY) for name, info in EngineConfig.model_fields.items()
+    }
+    expected = {f.engine_field: f.name for f in SERVE_FLAGS if f.engine_field}
+    assert {field: flag for field, flag in built_from.items() if flag is not None} == expected
+    assert [field for field, flag in built_from.items() if flag is None] == ["show_progress"]  # no flag sets it
 
-    info = EngineConfig.model_fields[flag.engine_field]
-    if flag.required:
-        assert info.is_required()
-    elif flag.name != "master-addr":
-        assert info.default == flag.default
+
+def test_help_names_the_defaults_the_engine_picks() -> None:
+    from tidepool.engine.engine_config import CPU_KV_CACHE_BYTES, MAX_NUM_BATCHED_TOKENS
+
+    assert f"default: {CPU_KV_CACHE_BYTES >> 30} GiB" in FLAGS["kv-cache-memory-bytes"].help
+    assert f"default: {MAX_NUM_BATCHED_TOKENS}" in FLAGS["max-num-batched-tokens"].help
+
+
+# (argv of `tidepool serve m`, the `LLM("m", ...)` keywords it must equal), written out by hand.
+ENGINE_ARGV_CASES: list[tuple[list[str], dict[str, Any]]] = [
+    ([], {}),
+    (
+        ["--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--max-num-seqs", "8", "--block-size", "32",
+         "--max-num-batched-tokens", "4096", "--dtype", "float32", "--seed", "7", "--device", "cpu"],
+        {"enable_prefix_caching": False, "enable_chunked_prefill": False, "max_num_seqs": 8, "block_size": 32,
+         "max_num_batched_tokens": 4096, "dtype": "float32", "seed": 7, "device": "cpu"},
+    ),
+    (
+        ["--quantization", "int8", "--num-threads", "2", "--gpu-memory-utilization", "0.5", "--max-model-len", "128",
+         "--kv-cache-memory-bytes", "1000", "--num-kv-blocks", "9", "--tokenizer", "t",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+        {"quantization": "int8", "num_threads": 2, "gpu_memory_utilization": 0.5, "max_model_len": 128,
+         "kv_cache_memory_bytes": 1000, "num_kv_blocks": 9, "tokenizer": "t",
+         "speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+    ),
+]  # fmt: skip
+SERVE_ONLY_ARGV_CASE = (
+    ["--role", "decode", "--kv-port", "0", "--kv-transfer-timeout", "2.5", "-tp", "2", "-pp", "2", "--nnodes", "2",
+     "--master-addr", "h", "--master-port", "1234"],
+    {"kv_role": "decode", "kv_port": 0, "kv_transfer_timeout_s": 2.5, "tensor_parallel_size": 2,
+     "pipeline_parallel_size": 2, "nnodes": 2, "master_addr": "h", "master_port": 1234},
+)  # fmt: skip
+
+
+class GenerateStopped(Exception):
+    """Raised by the fake LLM: `tidepool generate` got as far as building the engine."""
+
+
+@pytest.mark.parametrize(("argv", "kwargs"), [*ENGINE_ARGV_CASES, SERVE_ONLY_ARGV_CASE])
+def test_serve_argv_builds_the_config_llm_takes(
+    argv: list[str], kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tidepool serve` and `LLM(...)` agree value by value, defaults included ([] = no flags)."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert engine_config(parse_args(["m", *argv])) == EngineConfig(model="m", show_progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(("argv", "kwargs"), ENGINE_ARGV_CASES)
+def test_generate_argv_builds_the_config_llm_takes(
+    argv: list[str], kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tidepool generate` spells its engine flags as `tidepool serve` does and hands LLM(...) the same keywords."""
+    from tidepool.cli import main
+
+    def fake_llm(**given: Any) -> None:
+        raise GenerateStopped(EngineConfig(**given))
+
+    monkeypatch.setitem(sys.modules, "tidepool.engine.llm", types.SimpleNamespace(LLM=fake_llm))  # no model loads
+    with pytest.raises(GenerateStopped) as stopped:
+        main(["generate", "m", *argv])
+    assert stopped.value.args[0] == EngineConfig(model="m", **kwargs)
 
 
 @pytest.mark.parametrize(("field", "flag"), sorted(serve_flag_fields().items()))
-def test_api_fields_default_to_the_engines_defaults(field: str, flag: str) -> None:
-    assert getattr(EngineSpec(), field) == FLAGS[flag].default
+def test_a_default_inference_service_runs_the_engine_as_a_bare_serve_does(field: str, flag: str) -> None:
+    """A field left unset in the CRD reaches the pod as the value `tidepool serve MODEL` takes with no flag: the
+    builder's rendering of EngineSpec's default, parsed back by the real parser, equals the parser's own default."""
     assert FLAGS[flag].managed
+    (pod_args,) = engine_arg_lists(BASE, ClusterFeatures())
+    dest = FLAGS[flag].dest
+    assert getattr(parse_args(pod_args), dest) == getattr(parse_args(["m"]), dest), field
 
 
 def test_api_enumerations_come_from_the_table() -> None:
