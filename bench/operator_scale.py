@@ -44,7 +44,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "e2e" / "controlplane"), str(REPO / "tests" / "controlplane")]
 
-from test_cp_operator_support import (  # noqa: E402
+from operator_kit import (  # noqa: E402
     OperatorProcess,
     apiserver_counters,
     counter_delta,
@@ -56,7 +56,7 @@ from test_cp_operator_support import (  # noqa: E402
 )
 
 import devcluster  # noqa: E402
-from tidepool.operator.builders import build_children  # noqa: E402
+from tidepool.operator.builders import ServiceView, desired_state  # noqa: E402
 from tidepool.operator.k8s import KubeClient, load_credentials  # noqa: E402
 from tidepool.operator.reconcile import apply_all  # noqa: E402
 
@@ -131,7 +131,7 @@ async def create_all(kubeconfig: Path, num: int, floor: bool, concurrency: int =
             async with sem:
                 if floor:
                     body = service(f"s{i:04d}")
-                    children = build_children(body["metadata"]["name"], NAMESPACE, body["spec"])
+                    children = desired_state(body["metadata"]["name"], NAMESPACE, ServiceView.from_body(body)).children
                     for obj in children:
                         obj["metadata"]["namespace"] = NAMESPACE
                     _, error = await apply_all(api, children)

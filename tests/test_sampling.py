@@ -26,12 +26,12 @@ OTHER_PROMPTS = ["a", "hello there, how are you today my friend", "1 2 3 4 5 6 7
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
+def sampling_llm(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), show_progress=False, num_kv_blocks=96, max_model_len=256, max_num_batched_tokens=64)
 
 
-def _tokens(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:
-    return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+def _tokens(sampling_llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in sampling_llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _greedy(max_tokens: int = 12, **kwargs: object) -> SamplingParams:
@@ -39,21 +39,21 @@ def _greedy(max_tokens: int = 12, **kwargs: object) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def greedy_tokens(llm: LLM) -> list[int]:
-    return _tokens(llm, [PROMPT], [_greedy(24)])[0]
+def greedy_tokens(sampling_llm: LLM) -> list[int]:
+    return _tokens(sampling_llm, [PROMPT], [_greedy(24)])[0]
 
 
 # ---- engine level: seeds ------------------------------------------------------------------------
-def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
+def test_seeded_sampling_is_reproducible_whatever_the_batch(sampling_llm: LLM) -> None:
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
-    alone = _tokens(llm, [PROMPT], [seeded])[0]
+    alone = _tokens(sampling_llm, [PROMPT], [seeded])[0]
     batch_a = _tokens(
-        llm,
+        sampling_llm,
         [OTHER_PROMPTS[0], PROMPT, OTHER_PROMPTS[1]],
         [SamplingParams(temperature=0.8, max_tokens=14, ignore_eos=True), seeded, _greedy(6)],
     )
     batch_b = _tokens(
-        llm,
+        sampling_llm,
         [*OTHER_PROMPTS, PROMPT],
         [
             SamplingParams(temperature=1.0, seed=7, top_k=5, max_tokens=3, ignore_eos=True),
@@ -67,17 +67,19 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm: LLM) -> None:
     assert batch_b[3] == alone
 
 
-def test_seeds_across_the_whole_int64_range_sample(llm: LLM) -> None:
+def test_seeds_across_the_whole_int64_range_sample(sampling_llm: LLM) -> None:
     # The n completions use seed, seed+1, ...: at the top of the range they wrap around instead of overflowing.
     for seed in (-(2**63), -1, 2**63 - 1):
-        outputs = llm.generate([PROMPT], SamplingParams(n=2, seed=seed, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        outputs = sampling_llm.generate(
+            [PROMPT], SamplingParams(n=2, seed=seed, max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
         assert [len(c.token_ids) for c in outputs[0].outputs] == [4, 4]
     assert SamplingParams(seed=2**63 - 1).for_completion(1).seed == -(2**63)
 
 
-def test_different_seeds_give_different_tokens(llm: LLM) -> None:
+def test_different_seeds_give_different_tokens(sampling_llm: LLM) -> None:
     params = [SamplingParams(temperature=2.0, seed=seed, max_tokens=12, ignore_eos=True) for seed in (1, 2)]
-    first, second = _tokens(llm, [PROMPT, PROMPT], params)
+    first, second = _tokens(sampling_llm, [PROMPT, PROMPT], params)
     assert first != second
 
 
@@ -95,8 +97,8 @@ def test_different_seeds_give_different_tokens(llm: LLM) -> None:
     ],
     ids=["top_k=1", "top_p=tiny", "min_p=1", "temperature=tiny", "temperature=1e-39", "temperature=subnormal"],
 )
-def test_degenerate_sampling_equals_greedy(llm: LLM, greedy_tokens: list[int], params: SamplingParams) -> None:
-    assert _tokens(llm, [PROMPT], [params])[0] == greedy_tokens[:12]
+def test_degenerate_sampling_equals_greedy(sampling_llm: LLM, greedy_tokens: list[int], params: SamplingParams) -> None:
+    assert _tokens(sampling_llm, [PROMPT], [params])[0] == greedy_tokens[:12]
 
 
 def test_top_k_top_p_keeps_exactly_the_right_tokens() -> None:
@@ -239,39 +241,41 @@ def _stop_string(text: str) -> tuple[str, int]:
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
-def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
-    full = llm.generate(PROMPT, _greedy(24), use_tqdm=False)[0].outputs[0].text
+def test_stop_string_is_cut_from_the_text(sampling_llm: LLM) -> None:
+    full = sampling_llm.generate(PROMPT, _greedy(24), use_tqdm=False)[0].outputs[0].text
     stop, start = _stop_string(full)
-    out = llm.generate(PROMPT, _greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    out = sampling_llm.generate(PROMPT, _greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.text == full[:start]
     assert stop not in out.text
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop
-    kept = llm.generate(PROMPT, _greedy(24, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
+    kept = sampling_llm.generate(PROMPT, _greedy(24, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)[0]
     assert kept.outputs[0].text == full[: start + len(stop)]
     assert kept.outputs[0].stop_reason == stop
 
 
-def test_stop_token_ids_end_generation_and_stay_in_the_ids(llm: LLM, greedy_tokens: list[int]) -> None:
+def test_stop_token_ids_end_generation_and_stay_in_the_ids(sampling_llm: LLM, greedy_tokens: list[int]) -> None:
     index = next(i for i in range(2, len(greedy_tokens)) if greedy_tokens[i] not in greedy_tokens[:i])
     stop_token = greedy_tokens[index]
-    out = llm.generate(PROMPT, _greedy(24, stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
+    out = sampling_llm.generate(PROMPT, _greedy(24, stop_token_ids=[stop_token]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == greedy_tokens[: index + 1]
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop_token
 
 
-def test_min_tokens_defers_a_stop_token(llm: LLM, greedy_tokens: list[int]) -> None:
+def test_min_tokens_defers_a_stop_token(sampling_llm: LLM, greedy_tokens: list[int]) -> None:
     first = greedy_tokens[0]
-    stopped = llm.generate(PROMPT, _greedy(8, stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
+    stopped = sampling_llm.generate(PROMPT, _greedy(8, stop_token_ids=[first]), use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == [first]
-    deferred = llm.generate(PROMPT, _greedy(8, stop_token_ids=[first], min_tokens=3), use_tqdm=False)[0].outputs[0]
+    deferred = sampling_llm.generate(PROMPT, _greedy(8, stop_token_ids=[first], min_tokens=3), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(deferred.token_ids) >= 3
     assert first not in deferred.token_ids[:3]
 
 
-def test_max_tokens_finishes_with_length(llm: LLM) -> None:
-    out = llm.generate(PROMPT, _greedy(5), use_tqdm=False)[0].outputs[0]
+def test_max_tokens_finishes_with_length(sampling_llm: LLM) -> None:
+    out = sampling_llm.generate(PROMPT, _greedy(5), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5
     assert out.finish_reason == "length"
     assert out.stop_reason is None
@@ -297,11 +301,11 @@ def test_eos_stops_unless_ignore_eos(tiny_model_dir: Path, greedy_tokens: list[i
 
 
 # ---- engine level: logprobs, n, chat -----------------------------------------------------------------
-def test_logprobs_match_the_model_distribution(llm: LLM) -> None:
-    out = llm.generate(PROMPT, _greedy(6, logprobs=5), use_tqdm=False)[0]
+def test_logprobs_match_the_model_distribution(sampling_llm: LLM) -> None:
+    out = sampling_llm.generate(PROMPT, _greedy(6, logprobs=5), use_tqdm=False)[0]
     completion = out.outputs[0]
     assert completion.logprobs is not None and len(completion.logprobs) == 6
-    logits = llm.engine.runner.prompt_logits(out.prompt_token_ids + completion.token_ids)
+    logits = sampling_llm.engine.runner.prompt_logits(out.prompt_token_ids + completion.token_ids)
     expected = torch.log_softmax(logits.float(), dim=-1)
     num_prompt = len(out.prompt_token_ids)
     total = 0.0
@@ -318,33 +322,33 @@ def test_logprobs_match_the_model_distribution(llm: LLM) -> None:
     assert completion.cumulative_logprob == pytest.approx(total, abs=1e-4)
 
 
-def test_logprobs_zero_still_reports_the_sampled_token(llm: LLM) -> None:
+def test_logprobs_zero_still_reports_the_sampled_token(sampling_llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, logprobs=0)
-    completion = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    completion = sampling_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
     assert completion.logprobs is not None
     assert [list(entry) for entry in completion.logprobs] == [[t] for t in completion.token_ids]
-    assert llm.generate(PROMPT, _greedy(2), use_tqdm=False)[0].outputs[0].logprobs is None
+    assert sampling_llm.generate(PROMPT, _greedy(2), use_tqdm=False)[0].outputs[0].logprobs is None
 
 
-def test_n_returns_that_many_completions(llm: LLM) -> None:
+def test_n_returns_that_many_completions(sampling_llm: LLM) -> None:
     params = SamplingParams(n=2, temperature=2.0, seed=11, max_tokens=8, ignore_eos=True)
-    [result] = llm.generate(PROMPT, params, use_tqdm=False)
+    [result] = sampling_llm.generate(PROMPT, params, use_tqdm=False)
     assert [c.index for c in result.outputs] == [0, 1]
     assert all(len(c.token_ids) == 8 for c in result.outputs)
     assert result.outputs[0].token_ids != result.outputs[1].token_ids
-    again = llm.generate(PROMPT, params, use_tqdm=False)[0]
+    again = sampling_llm.generate(PROMPT, params, use_tqdm=False)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in result.outputs]
 
 
-def test_chat_applies_the_template(llm: LLM) -> None:
+def test_chat_applies_the_template(sampling_llm: LLM) -> None:
     messages = [{"role": "user", "content": "hi there"}]
-    [result] = llm.chat(messages, _greedy(4), use_tqdm=False)
-    tokenizer = llm.get_tokenizer()
+    [result] = sampling_llm.chat(messages, _greedy(4), use_tqdm=False)
+    tokenizer = sampling_llm.get_tokenizer()
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     assert "hi there" in text and text != "hi there"
     assert result.prompt_token_ids == tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(result.prompt_token_ids, skip_special_tokens=False) == text
-    plain = llm.generate(tokenizer.encode(text, add_special_tokens=False), _greedy(4), use_tqdm=False)[0]
+    plain = sampling_llm.generate(tokenizer.encode(text, add_special_tokens=False), _greedy(4), use_tqdm=False)[0]
     assert result.outputs[0].token_ids == plain.outputs[0].token_ids
 
 
@@ -361,15 +365,26 @@ def _held_reference(text: str, stops: list[str]) -> int:
 )
 def test_held_back_text_is_the_longest_stop_prefix(tiny_model_dir: Path, text: str, stops: list[str]) -> None:
     from tidepool.engine.detokenizer import IncrementalDetokenizer
-    from tidepool.engine.tokenizer import Tokenizer
 
     tokenizer = _tokenizer(tiny_model_dir)
     detok = IncrementalDetokenizer(tokenizer, [], stops)
+    fed: list[int] = []
+    match = None
     for token_id in tokenizer.encode(text, add_special_tokens=False):
-        if detok.update([token_id]) is not None:
+        fed.append(token_id)
+        match = detok.update([token_id])
+        if match is not None:
             break
         assert detok._num_held_chars() == _held_reference(detok.output_text, stops), (detok.output_text, stops)
-    assert isinstance(tokenizer, Tokenizer)
+    # The held-back check above compared against `output_text`: it must be the real text (an empty or stale one
+    # would hold back nothing and pass), i.e. what the tokenizer decodes, cut before the first stop string.
+    decoded = tokenizer.decode(fed)
+    if match is None:
+        detok.finish()
+        assert detok.output_text == decoded
+    else:
+        assert decoded.startswith(detok.output_text + match.stop_str) and match.stop_str in stops
+        assert not any(stop in detok.output_text for stop in stops)
 
 
 def test_long_repetitive_stop_strings_hold_back_exactly(tiny_model_dir: Path) -> None:

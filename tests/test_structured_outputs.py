@@ -56,7 +56,7 @@ PROMPT = 'Examples: {"kind": "dog", "count": 12, "ok": true, "tag": "ab", "sizes
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir: Path) -> LLM:
+def structured_llm(tiny_model_dir: Path) -> LLM:
     return LLM(str(tiny_model_dir), show_progress=False)
 
 
@@ -109,7 +109,7 @@ def test_strict_closes_objects_the_schema_leaves_open() -> None:
     assert "additionalProperties" not in schema  # the caller's schema is not modified
 
 
-def test_strict_leaves_the_parts_of_an_all_of_open(llm: LLM) -> None:
+def test_strict_leaves_the_parts_of_an_all_of_open(structured_llm: LLM) -> None:
     """Each allOf branch declares some keys of one object: closing a branch would refuse the others' keys, so
     the holder is closed over their union instead."""
     schema = {
@@ -123,7 +123,7 @@ def test_strict_leaves_the_parts_of_an_all_of_open(llm: LLM) -> None:
     assert "additionalProperties" not in strict["$defs"]["named"]
     assert all("additionalProperties" not in branch for branch in strict["allOf"])
     assert strict["additionalProperties"] is False and strict["properties"] == {"n": True, "name": True}
-    for output in llm.generate([PROMPT] * 2, _params(2, _json(schema, strict=True)), use_tqdm=False):
+    for output in structured_llm.generate([PROMPT] * 2, _params(2, _json(schema, strict=True)), use_tqdm=False):
         _assert_valid([(output.outputs[0].text, output.outputs[0].finish_reason)], schema)
         assert set(json.loads(output.outputs[0].text)) == {"name", "n"}
 
@@ -207,8 +207,8 @@ def test_a_compile_over_the_time_limit_is_an_error_not_a_wait() -> None:
         compiler.close()
 
 
-def test_the_real_backend_names_what_is_wrong(llm: LLM) -> None:
-    compile_ = llm.engine.grammars.compile
+def test_the_real_backend_names_what_is_wrong(structured_llm: LLM) -> None:
+    compile_ = structured_llm.engine.grammars.compile
     with pytest.raises(GrammarError, match="foo"):
         compile_(_json({"type": "foo"}))
     with pytest.raises(GrammarError, match="unclosed group"):
@@ -218,21 +218,21 @@ def test_the_real_backend_names_what_is_wrong(llm: LLM) -> None:
     with pytest.raises(GrammarError, match="cycle"):
         compile_(_json({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}))
     with pytest.raises(ValueError, match="foo"):  # offline: add_request refuses it before queueing anything
-        llm.generate(["x"], SamplingParams(structured_outputs=_json({"type": "foo"})), use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+        structured_llm.generate(["x"], SamplingParams(structured_outputs=_json({"type": "foo"})), use_tqdm=False)
+    assert not structured_llm.engine.has_unfinished_requests()
 
 
 # ---- constrained generation ----------------------------------------------------------------------
 @pytest.mark.parametrize("schema", [SCHEMA, NESTED], ids=["flat", "refs"])
-def test_outputs_validate_in_a_batch_mixed_with_free_text(llm: LLM, schema: dict[str, Any]) -> None:
+def test_outputs_validate_in_a_batch_mixed_with_free_text(structured_llm: LLM, schema: dict[str, Any]) -> None:
     constrained = _params(6, _json(schema))
     free = [SamplingParams(temperature=1.0, seed=i, max_tokens=30) for i in range(3)]
-    outputs = llm.generate([PROMPT] * 9, constrained[:3] + free + constrained[3:], use_tqdm=False)
+    outputs = structured_llm.generate([PROMPT] * 9, constrained[:3] + free + constrained[3:], use_tqdm=False)
     _assert_valid([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs[:3] + outputs[6:]], schema)
     assert all(len(o.outputs[0].token_ids) == 30 for o in outputs[3:6])  # the free ones were not constrained
 
 
-def test_regex_choice_and_grammar(llm: LLM) -> None:
+def test_regex_choice_and_grammar(structured_llm: LLM) -> None:
     cases = [
         (
             StructuredOutputsParams(regex=r"\d{3}-[a-c]{2}"),
@@ -249,21 +249,21 @@ def test_regex_choice_and_grammar(llm: LLM) -> None:
         ),
     ]
     for spec, ok in cases:
-        for output in llm.generate([PROMPT] * 4, _params(4, spec, max_tokens=40), use_tqdm=False):
+        for output in structured_llm.generate([PROMPT] * 4, _params(4, spec, max_tokens=40), use_tqdm=False):
             text = output.outputs[0].text
             assert output.outputs[0].finish_reason == "stop" and ok(text), (spec.kind, text)
 
 
-def test_strict_json_admits_no_extra_keys(llm: LLM) -> None:
+def test_strict_json_admits_no_extra_keys(structured_llm: LLM) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
-    for output in llm.generate([PROMPT] * 4, _params(4, _json(schema, strict=True)), use_tqdm=False):
+    for output in structured_llm.generate([PROMPT] * 4, _params(4, _json(schema, strict=True)), use_tqdm=False):
         assert list(json.loads(output.outputs[0].text)) == ["a"]
 
 
 def _tokens(model: Path, params: list[SamplingParams], **engine: Any) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(model), show_progress=False, **engine)
-    outputs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], llm
+    structured_llm = LLM(str(model), show_progress=False, **engine)
+    outputs = structured_llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], structured_llm
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 64}
@@ -284,24 +284,24 @@ def test_tokens_do_not_depend_on_speculation_preemption_or_chunking(
 ) -> None:
     params = [*_params(6, _json(SCHEMA)), SamplingParams(temperature=1.0, seed=7, max_tokens=40)]
     want, _ = _tokens(tiny_model_dir, params)
-    got, llm = _tokens(tiny_model_dir, params, **engine)
+    got, structured_llm = _tokens(tiny_model_dir, params, **engine)
     assert got == want
-    stats = llm.engine.get_stats()
+    stats = structured_llm.engine.get_stats()
     if "speculative" in engine:
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # accepted and rejected both
     if "num_kv_blocks" in engine:
         assert stats.num_preemptions_total > 0
-    texts = [llm.engine.tokenizer.decode(t) for t in got[:6]]
+    texts = [structured_llm.engine.tokenizer.decode(t) for t in got[:6]]
     _assert_valid([(t, "stop") for t in texts], SCHEMA)
 
 
-def test_n_completions_each_follow_their_own_grammar_state(llm: LLM) -> None:
+def test_n_completions_each_follow_their_own_grammar_state(structured_llm: LLM) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=120, structured_outputs=_json(SCHEMA))
-    [output] = llm.generate([PROMPT], params, use_tqdm=False)
+    [output] = structured_llm.generate([PROMPT], params, use_tqdm=False)
     assert len(output.outputs) == 4
     _assert_valid([(c.text, c.finish_reason) for c in output.outputs], SCHEMA)
     assert len({c.text for c in output.outputs}) > 1
-    assert len(llm.engine.sampler.grammar_masks) == 0  # released with their requests
+    assert len(structured_llm.engine.sampler.grammar_masks) == 0  # released with their requests
 
 
 def test_bitmask_unpacking_matches_the_bit_definition() -> None:

@@ -26,8 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import devcluster_addons
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from spec_gen import SIMPLE, SpecGen
-from test_cp_operator_support import (
+from operator_kit import (
     CRD_FILE,
     OperatorProcess,
     bind_claims,
@@ -35,6 +34,7 @@ from test_cp_operator_support import (
     operator_identity,
     wait_until,
 )
+from spec_gen import SIMPLE, SpecGen
 
 import devcluster
 

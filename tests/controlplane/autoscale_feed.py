@@ -33,6 +33,7 @@ class Feed:
 
     def __init__(self, cluster) -> None:
         self.core = client.CoreV1Api(cluster.api_client())
+        self.url = ""  # the feed server's base URL, set while feed_server serves it
         self.load: dict[str, dict[str, float]] = {}
         self.held: dict[str, float] = {}
         self.counts: dict[str, int] = {}

@@ -14,50 +14,15 @@ from typing import Any
 
 import pytest
 import yaml
-from autoscale_feed import Feed, feed_server
 from kubernetes import client
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
-    OperatorProcess,
+from operator_kit import (
     condition,
-    free_port,
     get_isvc,
-    install_crd,
-    operator_identity,
     pod_is_ready,
     wait_until,
 )
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("autoscale-identity"))
-
-
-@pytest.fixture
-def feed(control_plane):
-    feed = Feed(control_plane)
-    with feed_server(feed) as url:
-        feed.url = url
-        yield feed
-
-
-@pytest.fixture
-def operator(control_plane, cp_namespace, identity, feed, tmp_path, monkeypatch):
-    monkeypatch.setenv("TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE", feed.url + "/{namespace}/{name}/{pool}")
-    monkeypatch.setenv("TIDEPOOL_AUTOSCALE_INTERVAL", "1")
-    monkeypatch.setenv("TIDEPOOL_AUTOSCALE_WINDOW", "5")
-    monkeypatch.setenv("TIDEPOOL_OPERATOR_METRICS_PORT", str(free_port()))
-    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    forbidden = op.forbidden_lines()
-    assert not forbidden, "the chart's RBAC refused the operator:\n" + "\n".join(forbidden[:10])
 
 
 def isvc(name: str, autoscaling: dict[str, Any], pool: dict[str, int], gpus: int = 4) -> dict[str, Any]:
@@ -103,7 +68,7 @@ def apply(cluster, namespace: str, obj: dict[str, Any]) -> None:
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(obj))
 
 
-def test_scales_up_hits_scaling_limited_and_scales_down(control_plane, cp_namespace, operator, feed):
+def test_scales_up_hits_scaling_limited_and_scales_down(control_plane, cp_namespace, autoscaling_operator, feed):
     name = "grow"
     feed.set("unified", kv=0.9, requests=5)
     apply(
@@ -153,7 +118,7 @@ def test_scales_up_hits_scaling_limited_and_scales_down(control_plane, cp_namesp
     assert "Scaled" in reasons
 
 
-def test_scale_to_zero_and_back_on_held_requests(control_plane, cp_namespace, operator, feed):
+def test_scale_to_zero_and_back_on_held_requests(control_plane, cp_namespace, autoscaling_operator, feed):
     name = "idle"
     feed.set("unified", kv=0.0, requests=0)
     spec = isvc(
@@ -181,7 +146,7 @@ def test_scale_to_zero_and_back_on_held_requests(control_plane, cp_namespace, op
     )  # fmt: skip
 
 
-def test_advisory_changes_only_status(control_plane, cp_namespace, operator, feed):
+def test_advisory_changes_only_status(control_plane, cp_namespace, autoscaling_operator, feed):
     name = "advice"
     feed.set("unified", kv=0.95, requests=5)
     apply(
@@ -214,7 +179,7 @@ def test_advisory_changes_only_status(control_plane, cp_namespace, operator, fee
     assert get_isvc(control_plane, cp_namespace, name)["spec"]["pools"]["unified"]["replicas"] == 1
 
 
-def test_disaggregated_pools_scale_separately(control_plane, cp_namespace, operator, feed):
+def test_disaggregated_pools_scale_separately(control_plane, cp_namespace, autoscaling_operator, feed):
     name = "pd"
     feed.set("prefill", ttft=2.5, requests=5)  # TTFT p95 5x the SLO: prefill must grow
     feed.set("decode", kv=0.8, requests=5)  # decode exactly at its KV target: must stay

@@ -13,21 +13,18 @@ import time
 
 import httpx
 import pytest
-from test_cp_autoscale import (  # noqa: F401  (feed, identity, operator are fixtures)
+from operator_kit import get_isvc, wait_until
+from test_cp_autoscale import (
     apply,
     autoscaling_status,
     deployment_replicas,
-    feed,
-    identity,
     isvc,
-    operator,
 )
-from test_cp_operator_support import get_isvc, wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
 
-def test_the_operator_never_fights_an_external_scaler(control_plane, cp_namespace, operator, feed):  # noqa: F811
+def test_the_operator_never_fights_an_external_scaler(control_plane, cp_namespace, autoscaling_operator, feed):
     name = "ext"
     scraped: list[str] = []
     body = feed.body

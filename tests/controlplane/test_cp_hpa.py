@@ -17,16 +17,13 @@ import time
 import pytest
 import yaml
 from metrics_api_stub import MetricsStub, register, unregister
-from test_cp_autoscale import (  # noqa: F401  (feed, identity, operator are fixtures)
+from operator_kit import get_isvc, wait_until
+from test_cp_autoscale import (
     apply,
     autoscaling_status,
     deployment_replicas,
-    feed,
-    identity,
     isvc,
-    operator,
 )
-from test_cp_operator_support import get_isvc, wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
 METRIC = "tidepool_test_queue"
@@ -93,8 +90,8 @@ def hpa_status(cluster, namespace: str, name: str) -> dict:
 def test_a_real_hpa_scales_and_the_operator_never_writes_replicas(
     control_plane,
     cp_namespace,
-    operator,  # noqa: F811
-    feed,  # noqa: F811
+    autoscaling_operator,
+    feed,
     metrics_api,
 ):
     name = "hpa"

@@ -10,14 +10,11 @@ import json
 
 import pytest
 import yaml
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
+from operator_kit import (
     OperatorProcess,
     condition,
     get_isvc,
-    install_crd,
     is_ready,
-    operator_identity,
     pods,
     wait_until,
 )
@@ -58,13 +55,6 @@ def test_inference_pool_crds_install_and_validate(control_plane, cp_namespace):
     bad = pool("bad", targetPorts=[{"number": 8000}, {"number": 8001}])
     out = control_plane.kubectl("apply", "-n", cp_namespace, "-f", "-", input=yaml.safe_dump(bad), check=False)
     assert out.returncode != 0 and "targetPorts" in out.stderr, out.stderr
-
-
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("inference-pool-identity"))
 
 
 def service(name: str, **spec: object) -> dict:

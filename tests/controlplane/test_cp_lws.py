@@ -11,16 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
-    OperatorProcess,
+from operator_kit import (
     get_isvc,
-    install_crd,
     is_ready,
-    operator_identity,
     pod_is_ready,
     pods,
-    restricted_namespace,
     wait_until,
 )
 
@@ -57,19 +52,6 @@ def wait_groups(cluster, ns: str, groups: int) -> list[dict[str, Any]]:
         return found if ok else None
 
     return wait_until(ready, 180, f"{groups} LeaderWorkerSet group(s) of 2 Ready pods", interval_s=1)
-
-
-@pytest.fixture
-def operator(control_plane, cp_namespace, tmp_path):
-    install_crd(control_plane)
-    restricted_namespace(control_plane, cp_namespace)
-    identity = operator_identity(control_plane, tmp_path)
-    with NodeLeaseKeeper(control_plane):
-        op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-        op.start()
-        yield op
-        op.stop()
-    assert not op.forbidden_lines(), op.forbidden_lines()[:10]
 
 
 def test_multi_node_pool_runs_on_the_real_leaderworkerset_controller(control_plane, cp_namespace, operator):

@@ -22,18 +22,14 @@ import pytest
 import yaml
 from download_stub import REPO, StubHub
 from kubernetes import client
-from test_cp_operator_support import (
+from operator_kit import (
     TIDEPOOL,
-    NodeLeaseKeeper,
     OperatorProcess,
     condition,
     get_isvc,
-    install_crd,
     is_ready,
     load_example,
-    operator_identity,
     pods,
-    restricted_namespace,
     wait_until,
 )
 
@@ -42,24 +38,13 @@ SECRET = "hf-token"
 SECRET_VALUE = f"hf_tidepoolcp_{uuid.uuid4().hex}"  # distinctive: must never leave the Secret
 
 
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("model-source-identity"))
-
-
 @pytest.fixture
-def operator(control_plane, cp_namespace, identity, tmp_path):
-    restricted_namespace(control_plane, cp_namespace)
+def hf_token_secret(control_plane, cp_namespace) -> str:
+    """The Secret holding the distinctive HF_TOKEN, created before the operator starts; its name."""
     core = client.CoreV1Api(control_plane.api_client())
     secret = {"metadata": {"name": SECRET}, "stringData": {"HF_TOKEN": SECRET_VALUE}, "type": "Opaque"}
     core.create_namespaced_secret(cp_namespace, secret)
-    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    assert not op.forbidden_lines(), op.forbidden_lines()[:5]
+    return SECRET
 
 
 def isvc_with_credentials(name: str) -> dict[str, Any]:
@@ -88,7 +73,7 @@ def everything_visible(cluster, namespace: str, name: str, op: OperatorProcess) 
     return json.dumps(get_isvc(cluster, namespace, name)) + objects + op.log_text()
 
 
-def test_credentials_reach_the_download_step_by_reference_only(control_plane, cp_namespace, operator):
+def test_credentials_reach_the_download_step_by_reference_only(control_plane, cp_namespace, hf_token_secret, operator):
     ns, name = cp_namespace, "creds"
     apply(control_plane, ns, isvc_with_credentials(name))
     wait_until(lambda: is_ready(get_isvc(control_plane, ns, name)), 120, f"{name} Ready")
@@ -154,7 +139,9 @@ def report_init_failure(cluster, namespace: str, pod: dict[str, Any], exit_code:
     core.replace_namespaced_pod_status(pod["metadata"]["name"], namespace, pod)
 
 
-def test_a_bad_token_surfaces_as_an_actionable_condition(control_plane, cp_namespace, operator, tmp_path):
+def test_a_bad_token_surfaces_as_an_actionable_condition(
+    control_plane, cp_namespace, hf_token_secret, operator, tmp_path
+):
     exit_code, message = run_download_against_401(tmp_path)
     assert exit_code == 1
     assert f"the token in Secret {SECRET} key HF_TOKEN is missing or invalid" in message

@@ -10,16 +10,13 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client
-from test_cp_operator_support import (
+from operator_kit import (
     LEASE_NAME,
     OPERATOR_NAMESPACE,
-    NodeLeaseKeeper,
     OperatorProcess,
     children,
     get_isvc,
-    install_crd,
     is_ready,
-    operator_identity,
     pods,
     restricted_namespace,
     wait_until,
@@ -29,13 +26,6 @@ pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(420)]
 TAKEOVER_S = 30.0  # the requirement; the defaults (15 s lease, 5 s polls) give at most 25 s (test_leader.py,
 # on a fake clock). Here, on a real API server that a busy 2-core machine may slow, the bound has slack.
 TAKEOVER_SLACK_S = 15.0
-
-
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("ha-identity"))
 
 
 def lease_holder(cluster) -> str | None:

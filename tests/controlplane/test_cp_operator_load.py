@@ -19,8 +19,7 @@ import time
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from test_cp_operator_support import (
+from operator_kit import (
     NodeLeaseKeeper,
     OperatorProcess,
     apiserver_counters,
@@ -33,6 +32,7 @@ from test_cp_operator_support import (
     restricted_namespace,
     wait_until,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from tidepool.operator.sync import ControllerOptions
 

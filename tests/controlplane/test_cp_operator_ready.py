@@ -18,18 +18,13 @@ from typing import Any
 
 import pytest
 import yaml
-from test_cp_operator_support import (
-    NodeLeaseKeeper,
-    OperatorProcess,
+from operator_kit import (
     children,
     condition,
     get_isvc,
-    install_crd,
     is_ready,
-    operator_identity,
     pod_is_ready,
     pods,
-    restricted_namespace,
     wait_until,
 )
 
@@ -38,23 +33,6 @@ from controlplane_fixture import load_devcluster
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(600)]
 NODE_LABEL = "tidepool.dev/test-pool"
 HASH = "tidepool.dev/spec-hash"
-
-
-@pytest.fixture(scope="module")
-def identity(control_plane, tmp_path_factory):
-    install_crd(control_plane)
-    with NodeLeaseKeeper(control_plane):
-        yield operator_identity(control_plane, tmp_path_factory.mktemp("ready-identity"))
-
-
-@pytest.fixture
-def operator(control_plane, cp_namespace, identity, tmp_path):
-    restricted_namespace(control_plane, cp_namespace)
-    op = OperatorProcess(identity.kubeconfig, [cp_namespace], tmp_path / "operator.log")
-    op.start()
-    yield op
-    op.stop()
-    assert not op.forbidden_lines(), op.forbidden_lines()[:5]
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_cp_operator_support import (
+from operator_kit import (
     NodeLeaseKeeper,
     OperatorProcess,
     apiserver_counters,

@@ -17,7 +17,8 @@ from tidepool.engine.cpu_ops import build
 
 @pytest.fixture(scope="module", params=build.VECTOR_WIDTHS, ids=lambda width: f"w{width}")
 def vector_width(request: pytest.FixtureRequest) -> Iterator[int]:
-    """Module-scoped, so a module's own module-scoped `op` fixture (which takes this one) is built per width too."""
+    """Module-scoped, so a module's own module-scoped op fixture (`gemv`, `int4_gemv`, `fused`: each takes this
+    one) is built per width too."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(build.VECTOR_WIDTH_ENV, str(request.param))
         cpu_ops.reset()  # the ops resolved next are built (or found in the cache) with this width
@@ -26,7 +27,8 @@ def vector_width(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 @pytest.fixture
-def op(monkeypatch: pytest.MonkeyPatch) -> Iterator[cpu_ops.CpuPagedAttention]:
+def paged_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[cpu_ops.CpuPagedAttention]:
+    """The compiled paged-attention op (TIDEPOOL_CPU_ATTENTION=compiled), required."""
     monkeypatch.setenv(cpu_ops.MODE_ENV, "compiled")
     cpu_ops.reset()
     compiled = cpu_ops.paged_attention_op()

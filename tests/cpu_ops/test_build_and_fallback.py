@@ -275,12 +275,12 @@ def test_engine_without_a_compiler_generates_and_says_so_once(tiny_model_dir: Pa
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the process's memory map (Linux)")
-def test_op_shares_torchs_openmp_runtime(op: cpu_ops.CpuPagedAttention) -> None:
+def test_op_shares_torchs_openmp_runtime(paged_attention: cpu_ops.CpuPagedAttention) -> None:
     runtime = build.torch_openmp_runtime()
     if runtime is None:
-        assert not op.has_openmp  # torch without OpenMP: the op is built single-threaded
+        assert not paged_attention.has_openmp  # torch without OpenMP: the op is built single-threaded
         return
-    assert op.has_openmp
+    assert paged_attention.has_openmp
     mapped = {
         line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if build._OMP_LIB.search(line)
     }

@@ -34,10 +34,10 @@ def decoder(monkeypatch: pytest.MonkeyPatch) -> Iterator[cpu_ops.CpuDecoder]:
     for env in (cpu_ops.MODE_ENV, cpu_ops.GEMV_MODE_ENV, cpu_ops.FUSED_MODE_ENV, cpu_ops.DECODER_MODE_ENV):
         monkeypatch.setenv(env, "compiled")
     cpu_ops.reset()
-    op = cpu_ops.decoder_op()
-    assert op is not None
-    op.counts = count_decoder_steps(monkeypatch)  # type: ignore[attr-defined]
-    yield op
+    compiled = cpu_ops.decoder_op()
+    assert compiled is not None
+    compiled.counts = count_decoder_steps(monkeypatch)  # type: ignore[attr-defined]
+    yield compiled
     cpu_ops.reset()
 
 
@@ -90,9 +90,9 @@ def test_tokens_and_logprobs_identical_with_the_step_on_and_off(
     # in). With the op's limit lowered to 4, the wider steps take the layers and the narrower ones the op.
     configs = ((6, decoder.max_batch, 16), (11, decoder.max_batch, 16), (26, decoder.max_batch, 32), (11, 4, 16))
     for max_num_seqs, limit, max_tokens in configs:
-        op = cpu_ops.decoder_op()
-        assert op is not None
-        op.max_batch = limit
+        compiled = cpu_ops.decoder_op()
+        assert compiled is not None
+        compiled.max_batch = limit
         ran = decoder.counts["ran"]  # type: ignore[attr-defined]
         decoder.counts["widest"] = 0  # type: ignore[attr-defined]
         got = _generate(path, max_num_seqs, max_tokens)

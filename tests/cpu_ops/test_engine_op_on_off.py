@@ -42,7 +42,7 @@ def _prompts(seed: int) -> list[list[int]]:
 def _generate(path: Path, mode: str, use_path: Callable[[str], None], **kwargs: object) -> tuple[list, LLM]:
     use_path(mode)
     llm = LLM(str(path), show_progress=False, max_num_seqs=6, max_num_batched_tokens=48, **kwargs)
-    assert llm.engine.runner.cpu_kernel == (mode == "compiled")
+    assert llm.engine.runner.backend.name == f"cpu-{mode}"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = _prompts(1)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

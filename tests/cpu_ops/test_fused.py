@@ -22,7 +22,7 @@ TOL = {"rtol": 2e-6, "atol": 2e-6}
 
 
 @pytest.fixture(scope="module")
-def op(vector_width: int) -> cpu_ops.CpuFused:
+def fused(vector_width: int) -> cpu_ops.CpuFused:
     found = cpu_ops.fused_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled fused ops are unavailable (the torch path is tested elsewhere)")
@@ -37,12 +37,12 @@ def _wide(gen: torch.Generator, rows: int, cols: int, pad: int) -> torch.Tensor:
 @pytest.mark.parametrize(("rows", "n"), [(1, 1), (1, 576), (3, 13), (7, 64), (64, 576), (300, 1000)])
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm(op: cpu_ops.CpuFused, rows: int, n: int, pad: int, with_residual: bool) -> None:
+def test_add_rms_norm(fused: cpu_ops.CpuFused, rows: int, n: int, pad: int, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(rows * 31 + n + pad)
     x, residual = _wide(gen, rows, n, pad), _wide(gen, rows, n, 2 * pad) if with_residual else None
     weight, eps = torch.randn(n, generator=gen), 1e-5
     before = (x.clone(), None if residual is None else residual.clone())
-    got = op.add_rms_norm(x, residual, weight, eps)
+    got = fused.add_rms_norm(x, residual, weight, eps)
     assert got is not None
     normed, new_residual = got
     h = x if residual is None else x + residual
@@ -52,17 +52,17 @@ def test_add_rms_norm(op: cpu_ops.CpuFused, rows: int, n: int, pad: int, with_re
 
 
 @pytest.mark.parametrize(("rows", "inter"), [(1, 1), (1, 1536), (5, 7), (64, 1536), (200, 333)])
-def test_silu_mul(op: cpu_ops.CpuFused, rows: int, inter: int) -> None:
+def test_silu_mul(fused: cpu_ops.CpuFused, rows: int, inter: int) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
     gate_up = _wide(gen, rows, 2 * inter, 3) * 8  # saturating and tiny sigmoids alike
     gate, up = gate_up.chunk(2, dim=-1)
-    got = op.silu_mul(gate_up)
+    got = fused.silu_mul(gate_up)
     assert got is not None
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=4e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("tokens", "heads", "dim"), [(1, 12, 64), (7, 5, 18), (3, 1, 2), (64, 12, 128), (200, 9, 80)])
-def test_rotary_in_place(op: cpu_ops.CpuFused, tokens: int, heads: int, dim: int) -> None:
+def test_rotary_in_place(fused: cpu_ops.CpuFused, tokens: int, heads: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(tokens * heads + dim)
     qkv = torch.randn(tokens, heads * dim + 40, generator=gen)  # a fused projection: q/k heads, then more
     x = qkv[:, : heads * dim].view(tokens, heads, dim)
@@ -71,40 +71,40 @@ def test_rotary_in_place(op: cpu_ops.CpuFused, tokens: int, heads: int, dim: int
     swapped = want.roll(dim // 2, dims=-1).mul_(sin_signed.unsqueeze(1))
     want.mul_(cos.unsqueeze(1)).add_(swapped)
     tail = qkv[:, heads * dim :].clone()
-    assert op.rotary_(x, cos, sin_signed) is x
+    assert fused.rotary_(x, cos, sin_signed) is x
     assert torch.equal(x, want)  # bit-identical: each product rounded, then the sum (no FMA)
     assert torch.equal(qkv[:, heads * dim :], tail)  # nothing outside the heads is touched
 
 
-def test_store_kv_and_out_of_range_slots(op: cpu_ops.CpuFused) -> None:
+def test_store_kv_and_out_of_range_slots(fused: cpu_ops.CpuFused) -> None:
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.zeros(10, 16, 3, 64), torch.zeros(10, 16, 3, 64)
     qkv = torch.randn(5, 9 * 64 + 2 * 192, generator=gen)
     k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
     slots = torch.tensor([0, 17, 159, 33, 2])
-    assert op.store_kv(k, v, k_cache, v_cache, slots)
+    assert fused.store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache.view(-1, 3, 64)[slots], k) and torch.equal(v_cache.view(-1, 3, 64)[slots], v)
     assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 5  # those slots only
     with pytest.raises(ValueError, match="outside the cache"):
-        op.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 160]))
+        fused.store_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 160]))
 
 
-def test_calls_it_does_not_take_do_nothing(op: cpu_ops.CpuFused) -> None:
+def test_calls_it_does_not_take_do_nothing(fused: cpu_ops.CpuFused) -> None:
     x = torch.randn(4, 8)
-    assert op.add_rms_norm(x.double(), None, torch.ones(8, dtype=torch.float64), 1e-6) is None
-    assert op.add_rms_norm(x, torch.randn(4, 9), torch.ones(8), 1e-6) is None
-    assert op.add_rms_norm(x.t(), None, torch.ones(4), 1e-6) is None  # columns not contiguous
-    assert op.silu_mul(torch.randn(4, 7)) is None  # odd width: no gate/up halves
-    assert op.silu_mul(torch.randn(4, 8, dtype=torch.bfloat16)) is None
+    assert fused.add_rms_norm(x.double(), None, torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert fused.add_rms_norm(x, torch.randn(4, 9), torch.ones(8), 1e-6) is None
+    assert fused.add_rms_norm(x.t(), None, torch.ones(4), 1e-6) is None  # columns not contiguous
+    assert fused.silu_mul(torch.randn(4, 7)) is None  # odd width: no gate/up halves
+    assert fused.silu_mul(torch.randn(4, 8, dtype=torch.bfloat16)) is None
     heads = torch.randn(2, 8, 3).transpose(1, 2)  # [2, 3, 8] with heads not contiguous
-    assert op.rotary_(heads, torch.ones(2, 8), torch.ones(2, 8)) is None
+    assert fused.rotary_(heads, torch.ones(2, 8), torch.ones(2, 8)) is None
     cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
     kv = torch.randn(1, 1, 8)
-    assert not op.store_kv(kv, kv, cache, cache, torch.tensor([0]))
+    assert not fused.store_kv(kv, kv, cache, cache, torch.tensor([0]))
     assert not (cache != 0).any()
 
 
-def test_layers_fall_back_to_torch_for_other_dtypes(op: cpu_ops.CpuFused) -> None:
+def test_layers_fall_back_to_torch_for_other_dtypes(fused: cpu_ops.CpuFused) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(3, 16, generator=gen, dtype=torch.float64)
     norm = RMSNorm(16, 1e-6, torch.float64)
@@ -116,18 +116,18 @@ def test_layers_fall_back_to_torch_for_other_dtypes(op: cpu_ops.CpuFused) -> Non
 
 
 def test_layers_use_the_op_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    op = cpu_ops.fused_op()
-    if op is None:
+    compiled = cpu_ops.fused_op()
+    if compiled is None:
         pytest.skip("no C++ compiler here: the compiled fused ops are unavailable")
     calls: list[str] = []
     for name in ("add_rms_norm", "silu_mul", "rotary_", "store_kv"):
-        original = getattr(op, name)
+        original = getattr(compiled, name)
 
         def spy(*args: object, _name: str = name, _original: object = original) -> object:
             calls.append(_name)
             return _original(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(op, name, spy)
+        monkeypatch.setattr(compiled, name, spy)
     x = torch.randn(2, 16)
     RMSNorm(16, 1e-6, torch.float32)(x, x)
     activation.silu_mul(torch.randn(2, 32))

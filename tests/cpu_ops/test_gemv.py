@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.usefixtures("vector_width"), pytest.mark.filterwarning
 
 
 @pytest.fixture(scope="module")
-def op(vector_width: int) -> cpu_ops.CpuGemv:
+def gemv(vector_width: int) -> cpu_ops.CpuGemv:
     found = cpu_ops.gemv_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled GEMV is unavailable (the torch path is tested elsewhere)")
@@ -45,50 +45,50 @@ def close(got: torch.Tensor, want: torch.Tensor, inner: int) -> None:
 
 @pytest.mark.parametrize("batch", [*range(1, 9), 9, 15, 16, 17, 23, 24, 25, 31, 64, MAX_ROWS])
 @pytest.mark.parametrize(("rows", "inner"), SHAPES)
-def test_matches_f_linear(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
+def test_matches_f_linear(gemv: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
     w = torch.randn(rows, inner, generator=gen)
     x = torch.randn(batch, inner, generator=gen)
-    close(op(x, w), F.linear(x, w), inner)
+    close(gemv(x, w), F.linear(x, w), inner)
 
 
 @pytest.mark.parametrize(("rows", "inner"), [(17, 31), (96, 576), (33, 2055)])
 def test_wide_batches_give_each_input_the_same_bits_whatever_the_batch(
-    op: cpu_ops.CpuGemv, rows: int, inner: int
+    gemv: cpu_ops.CpuGemv, rows: int, inner: int
 ) -> None:
     gen = torch.Generator().manual_seed(rows + inner)
     w = torch.randn(rows, inner, generator=gen)
     w8, scales = torch.randint(-127, 128, (rows, inner), generator=gen).to(torch.int8), torch.rand(rows) + 0.01
     x = torch.randn(40, inner, generator=gen)
     order = torch.randperm(40, generator=gen)
-    for run in (lambda x: op(x, w), lambda x: op.int8(x, w8, scales)):
+    for run in (lambda x: gemv(x, w), lambda x: gemv.int8(x, w8, scales)):
         whole = run(x)
         assert torch.equal(run(x[order])[order.argsort()], whole)  # every input in another place and pass
-        fewest = op.panel_min_inputs  # the fewest the panel takes (24 at 8-float vectors, 16 at 16)
+        fewest = gemv.panel_min_inputs  # the fewest the panel takes (24 at 8-float vectors, 16 at 16)
         assert torch.equal(run(x[3 : 3 + fewest]), whole[3 : 3 + fewest])
         assert torch.equal(run(x[15:40]), whole[15:40])  # 25: passes of 5 (of 9, 8 and 8 at 16 floats)
 
 
-def test_benchmarks_can_turn_the_panel_kernel_off(op: cpu_ops.CpuGemv) -> None:
+def test_benchmarks_can_turn_the_panel_kernel_off(gemv: cpu_ops.CpuGemv) -> None:
     gen = torch.Generator().manual_seed(5)
     w, x = torch.randn(33, 96, generator=gen), torch.randn(32, 96, generator=gen)
-    previous = op.set_panel_min_inputs(1 << 30)
+    previous = gemv.set_panel_min_inputs(1 << 30)
     try:
-        rows_only = op(x, w)
-        eights = torch.cat([op(x[i : i + 8], w) for i in range(0, 32, 8)])
+        rows_only = gemv(x, w)
+        eights = torch.cat([gemv(x[i : i + 8], w) for i in range(0, 32, 8)])
     finally:
-        assert op.set_panel_min_inputs(previous) == 1 << 30
-    assert previous == op.panel_min_inputs
+        assert gemv.set_panel_min_inputs(previous) == 1 << 30
+    assert previous == gemv.panel_min_inputs
     assert torch.equal(rows_only, eights)  # the row kernel: inputs in groups of 8 from the first
-    close(op(x, w), rows_only, 96)
+    close(gemv(x, w), rows_only, 96)
 
 
-def test_strided_rows_and_bias_through_linear(op: cpu_ops.CpuGemv) -> None:
+def test_strided_rows_and_bias_through_linear(gemv: cpu_ops.CpuGemv) -> None:
     gen = torch.Generator().manual_seed(7)
     wide = torch.randn(4, 300, generator=gen)
     x = wide[:, :259]  # row stride 300, unit column stride
     w, b = torch.randn(50, 259, generator=gen), torch.randn(50, generator=gen)
-    assert op.accepts(x, w)
+    assert gemv.accepts(x, w)
     close(linear_mod.linear(x, w, b), F.linear(x, w, b), 259)
 
 
@@ -96,11 +96,11 @@ def test_strided_rows_and_bias_through_linear(op: cpu_ops.CpuGemv) -> None:
     "case",
     ["too-many-rows", "bfloat16", "transposed-weight", "column-strided-x", "three-dims"],
 )
-def test_everything_else_is_f_linear(op: cpu_ops.CpuGemv, case: str) -> None:
+def test_everything_else_is_f_linear(gemv: cpu_ops.CpuGemv, case: str) -> None:
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 40, generator=gen), torch.randn(24, 40, generator=gen)
     if case == "too-many-rows":
-        x = torch.randn(op.max_batch + 1, 40, generator=gen)
+        x = torch.randn(gemv.max_batch + 1, 40, generator=gen)
     elif case == "bfloat16":
         x, w = x.bfloat16(), w.bfloat16()
     elif case == "transposed-weight":
@@ -109,9 +109,9 @@ def test_everything_else_is_f_linear(op: cpu_ops.CpuGemv, case: str) -> None:
         x = torch.randn(2, 80, generator=gen)[:, ::2]
     else:
         x = x.unsqueeze(0)
-    assert not op.accepts(x if x.dim() == 2 else x[0], w) or case == "three-dims"
+    assert not gemv.accepts(x if x.dim() == 2 else x[0], w) or case == "three-dims"
     with pytest.raises(ValueError):
-        op(x, w)
+        gemv(x, w)
     torch.testing.assert_close(linear_mod.linear(x, w), F.linear(x, w))
 
 
@@ -126,18 +126,18 @@ def test_torch_mode_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_ops.reset()
 
 
-def test_the_op_takes_decode_batches_up_to_its_rows(op: cpu_ops.CpuGemv, monkeypatch: pytest.MonkeyPatch) -> None:
-    op = cpu_ops.gemv_op()  # the instance `linear` asks for (another test may have reset the fixture's)
-    assert op is not None and op.max_batch == MAX_ROWS
+def test_the_op_takes_decode_batches_up_to_its_rows(gemv: cpu_ops.CpuGemv, monkeypatch: pytest.MonkeyPatch) -> None:
+    linear_gemv = cpu_ops.gemv_op()  # the instance `linear` asks for (another test may have reset the fixture's)
+    assert linear_gemv is not None and linear_gemv.max_batch == MAX_ROWS
     calls: list[int] = []
-    real = op.try_call
+    real = linear_gemv.try_call
 
     def spy(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         y = real(x, weight)
         calls.append(-1 if y is None else x.shape[0])
         return y
 
-    monkeypatch.setattr(op, "try_call", spy)
+    monkeypatch.setattr(linear_gemv, "try_call", spy)
     gen = torch.Generator().manual_seed(11)
     w = torch.randn(96, 64, generator=gen)
     for rows in (1, 9, MAX_ROWS, MAX_ROWS + 1):
@@ -173,17 +173,17 @@ def test_torch_path_takes_the_transposed_product(rows: int, monkeypatch: pytest.
 
 @pytest.mark.parametrize("batch", [1, 2, 5, 8, 9, 31, MAX_ROWS])
 @pytest.mark.parametrize(("rows", "inner"), SHAPES)
-def test_int8_matches_the_dequantized_product(op: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
+def test_int8_matches_the_dequantized_product(gemv: cpu_ops.CpuGemv, batch: int, rows: int, inner: int) -> None:
     gen = torch.Generator().manual_seed(batch * 1000 + rows + inner)
     w = torch.randint(-127, 128, (rows, inner), generator=gen).to(torch.int8)
     scales = torch.rand(rows, generator=gen) * 0.02 + 0.001
     x = torch.randn(batch, inner, generator=gen)
-    got = op.int8(x, w, scales)
+    got = gemv.int8(x, w, scales)
     assert got is not None
     close(got, F.linear(x, w.float()) * scales, inner)
 
 
-def test_int8_weight_uses_the_op_where_it_takes_the_call(op: cpu_ops.CpuGemv) -> None:
+def test_int8_weight_uses_the_op_where_it_takes_the_call(gemv: cpu_ops.CpuGemv) -> None:
     gen = torch.Generator().manual_seed(11)
     w = torch.randint(-127, 128, (40, 64), generator=gen).to(torch.int8)
     weight = Int8Weight(w, (torch.rand(40, generator=gen) * 0.02).half())  # a GGUF Q8_0's scales are float16
@@ -192,8 +192,8 @@ def test_int8_weight_uses_the_op_where_it_takes_the_call(op: cpu_ops.CpuGemv) ->
     assert weight.cpu_int8() is not None
     for x in (torch.randn(3, 64, generator=gen), torch.randn(2, 4, 64, generator=gen)):
         want = int8_linear(x, w, weight.scales, bias)  # the torch path
-        assert op.accepts_int8(x.reshape(-1, 64), w, weight.scales)
+        assert gemv.accepts_int8(x.reshape(-1, 64), w, weight.scales)
         close(F.linear(x, weight, bias), want, 64)  # type: ignore[arg-type]
-    for x in (torch.randn(op.max_batch + 1, 64), torch.randn(2, 64, dtype=torch.bfloat16)):  # torch's path
-        assert not op.accepts_int8(x, w, weight.scales)
+    for x in (torch.randn(gemv.max_batch + 1, 64), torch.randn(2, 64, dtype=torch.bfloat16)):  # torch's path
+        assert not gemv.accepts_int8(x, w, weight.scales)
         torch.testing.assert_close(F.linear(x, weight), int8_linear(x, w, weight.scales))  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("vector_width")
 
 
 @pytest.fixture(scope="module")
-def op(vector_width: int) -> cpu_ops.CpuInt4Gemv:
+def int4_gemv(vector_width: int) -> cpu_ops.CpuInt4Gemv:
     found = cpu_ops.int4_op()
     if found is None:
         pytest.skip("no C++ compiler here: the compiled int4 op is unavailable (the torch path is tested elsewhere)")
@@ -53,26 +53,28 @@ CASES = [  # (N, K, group): whole tiles and not, one group and many, SmolLM2's w
 
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 8, 13, 64, 300])
 @pytest.mark.parametrize(("n", "k", "group"), CASES)
-def test_matches_the_dequantized_product(op: cpu_ops.CpuInt4Gemv, batch: int, n: int, k: int, group: int) -> None:
+def test_matches_the_dequantized_product(
+    int4_gemv: cpu_ops.CpuInt4Gemv, batch: int, n: int, k: int, group: int
+) -> None:
     for mins, dtype in ((True, torch.float16), (False, torch.float32), (True, torch.bfloat16)):
-        if not op.takes_scales(dtype):
+        if not int4_gemv.takes_scales(dtype):
             continue  # float16 scales need the compiler's _Float16; the op says so and the caller keeps torch's path
         qweight, scales, zeros, mins_t = random_int4(n, k, group, dtype, mins, seed=batch * 7 + n + k)
         x = torch.randn(batch, k, generator=torch.Generator().manual_seed(batch))
         want = x @ dequantize_int4(qweight, scales, zeros, group, dtype=torch.float32, mins=mins_t)
-        close(op(x, tile_weight(qweight, scales, zeros, group, mins_t)), want, k)
+        close(int4_gemv(x, tile_weight(qweight, scales, zeros, group, mins_t)), want, k)
 
 
-def test_strided_rows_and_other_input_dtypes(op: cpu_ops.CpuInt4Gemv) -> None:
+def test_strided_rows_and_other_input_dtypes(int4_gemv: cpu_ops.CpuInt4Gemv) -> None:
     qweight, scales, zeros, _ = random_int4(40, 64, 32, torch.float32, False, seed=3)
     tiles = tile_weight(qweight, scales, zeros, 32, None)
     dense = dequantize_int4(qweight, scales, zeros, 32, dtype=torch.float32)
     wide = torch.randn(6, 100)
-    close(op(wide[:, 10:74], tiles), wide[:, 10:74] @ dense, 64)  # row stride 100
+    close(int4_gemv(wide[:, 10:74], tiles), wide[:, 10:74] @ dense, 64)  # row stride 100
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    close(op(x, tiles), x.float() @ dense, 64)  # converted to float32 first
+    close(int4_gemv(x, tiles), x.float() @ dense, 64)  # converted to float32 first
     with pytest.raises(ValueError, match="takes x"):
-        op(torch.randn(2, 63), tiles)
+        int4_gemv(torch.randn(2, 63), tiles)
 
 
 def test_tiles_pad_the_last_one_with_zeros() -> None:
@@ -97,7 +99,7 @@ def _int4_weight(n: int, k: int, group: int, perm: bool, seed: int) -> Int4Weigh
 
 
 @pytest.mark.parametrize("perm", [False, True])
-def test_a_tiled_weight_gives_what_the_torch_path_gives(op: cpu_ops.CpuInt4Gemv, perm: bool) -> None:
+def test_a_tiled_weight_gives_what_the_torch_path_gives(int4_gemv: cpu_ops.CpuInt4Gemv, perm: bool) -> None:
     module = torch.nn.Module()
     module.add_module("w", _int4_weight(50, 128, 32, perm, seed=5))
     weight: Int4Weight = module.w  # type: ignore[assignment]

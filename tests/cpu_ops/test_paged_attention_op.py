@@ -36,27 +36,27 @@ def _random_case(seed: int, head_dims: tuple[int, ...] = HEAD_DIMS) -> tuple[Ste
     return step, rng.randint(1, 3)
 
 
-def _run(op: cpu_ops.CpuPagedAttention, step: Step) -> torch.Tensor:
-    return op(step.q, step.k_cache, step.v_cache, *step.views, step.scale, step.window)
+def _run(paged_attention: cpu_ops.CpuPagedAttention, step: Step) -> torch.Tensor:
+    return paged_attention(step.q, step.k_cache, step.v_cache, *step.views, step.scale, step.window)
 
 
 @pytest.mark.parametrize("seed", range(24))
-def test_matches_dense_float64(op: cpu_ops.CpuPagedAttention, threads: None, seed: int) -> None:
+def test_matches_dense_float64(paged_attention: cpu_ops.CpuPagedAttention, threads: None, seed: int) -> None:
     step, num_threads = _random_case(seed)
     torch.set_num_threads(num_threads)
-    got = _run(op, step)
+    got = _run(paged_attention, step)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), dense_reference(step), atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(100, 108))
-def test_odd_head_dims(op: cpu_ops.CpuPagedAttention, seed: int) -> None:
+def test_odd_head_dims(paged_attention: cpu_ops.CpuPagedAttention, seed: int) -> None:
     step, _ = _random_case(seed, head_dims=(24, 72, 100))
-    torch.testing.assert_close(_run(op, step).double(), dense_reference(step), atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(_run(paged_attention, step).double(), dense_reference(step), atol=3e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("seed", range(200, 208))
-def test_engine_paths_agree(op: cpu_ops.CpuPagedAttention, seed: int) -> None:
+def test_engine_paths_agree(paged_attention: cpu_ops.CpuPagedAttention, seed: int) -> None:
     """Through `attention_backend.paged_attention` (store_kv included): kernel views vs the torch path."""
     step, _ = _random_case(seed)
     want = backend.paged_attention(
@@ -71,26 +71,26 @@ def test_engine_paths_agree(op: cpu_ops.CpuPagedAttention, seed: int) -> None:
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("seed", range(300, 306))
 def test_half_precision_accumulates_in_float32(
-    op: cpu_ops.CpuPagedAttention, seed: int, dtype: torch.dtype, atol: float
+    paged_attention: cpu_ops.CpuPagedAttention, seed: int, dtype: torch.dtype, atol: float
 ) -> None:
-    if dtype not in op.dtypes:
+    if dtype not in paged_attention.dtypes:
         pytest.skip(f"this compiler has no {dtype} arithmetic type; the engine uses the torch path for it")
     step = _random_case(seed)[0].to(dtype)
-    got = _run(op, step)
+    got = _run(paged_attention, step)
     assert got.dtype == dtype
     # The reference sees the same rounded inputs; what is left is output rounding plus accumulation error.
     torch.testing.assert_close(got.double(), dense_reference(step), atol=atol, rtol=1e-2)
 
 
-def test_long_context_split_and_merge(op: cpu_ops.CpuPagedAttention, threads: None) -> None:
+def test_long_context_split_and_merge(paged_attention: cpu_ops.CpuPagedAttention, threads: None) -> None:
     step = random_step(7, num_kv_heads=2, group=4, head_dim=64, block_size=16, seqs=[(2000, 1), (1700, 3)])
     want = dense_reference(step)
     for num_threads in (1, 2, 3, 8):
         torch.set_num_threads(num_threads)
-        torch.testing.assert_close(_run(op, step).double(), want, atol=3e-5, rtol=1e-4)
+        torch.testing.assert_close(_run(paged_attention, step).double(), want, atol=3e-5, rtol=1e-4)
 
 
-def test_strided_query_and_output(op: cpu_ops.CpuPagedAttention) -> None:
+def test_strided_query_and_output(paged_attention: cpu_ops.CpuPagedAttention) -> None:
     """The model hands q as a view of the fused qkv projection; out may be a view too."""
     step = random_step(11, num_kv_heads=2, group=3, head_dim=64, block_size=16, seqs=[(40, 1), (100, 30)])
     tokens, heads, dim = step.q.shape
@@ -100,18 +100,19 @@ def test_strided_query_and_output(op: cpu_ops.CpuPagedAttention) -> None:
     assert not q.is_contiguous()
     buffer = torch.full((tokens, heads + 1, dim), float("nan"))
     out = buffer[:, 1:]
-    result = op(q, step.k_cache, step.v_cache, *step.views, step.scale, None, out=out)
+    result = paged_attention(q, step.k_cache, step.v_cache, *step.views, step.scale, None, out=out)
     assert result.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out.double(), dense_reference(step), atol=3e-5, rtol=1e-4)
     assert torch.isnan(buffer[:, 0]).all()  # nothing written outside out
 
 
-def test_empty_step(op: cpu_ops.CpuPagedAttention) -> None:
+def test_empty_step(paged_attention: cpu_ops.CpuPagedAttention) -> None:
     cache = torch.zeros(4, 16, 2, 64)
     q = torch.zeros(0, 4, 64)
     empty = torch.zeros(0, 0, dtype=torch.int32)
     no_seqs = torch.zeros(0, dtype=torch.int32)
-    assert op(q, cache, cache, empty, no_seqs, torch.zeros(1, dtype=torch.int32), 0.125).shape == (0, 4, 64)
+    cu_seqlens_q = torch.zeros(1, dtype=torch.int32)
+    assert paged_attention(q, cache, cache, empty, no_seqs, cu_seqlens_q, 0.125).shape == (0, 4, 64)
 
 
 def _bad(step: Step, **change: object) -> dict[str, object]:
@@ -123,7 +124,7 @@ def _bad(step: Step, **change: object) -> dict[str, object]:
     return args
 
 
-def test_rejects_invalid_steps_with_a_reason(op: cpu_ops.CpuPagedAttention) -> None:
+def test_rejects_invalid_steps_with_a_reason(paged_attention: cpu_ops.CpuPagedAttention) -> None:
     step = random_step(3, num_kv_heads=2, group=2, head_dim=64, block_size=16, seqs=[(40, 1), (33, 33)])
     tables, lens, cu = step.views
     bad_ids = tables.clone()
@@ -140,4 +141,4 @@ def test_rejects_invalid_steps_with_a_reason(op: cpu_ops.CpuPagedAttention) -> N
     }
     for reason, args in cases.items():
         with pytest.raises(ValueError, match=reason):
-            op(**args, scale=step.scale)
+            paged_attention(**args, scale=step.scale)

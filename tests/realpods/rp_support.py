@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import yaml
-from controlplane.test_cp_operator_support import (
+from controlplane.operator_kit import (
     LEASE_NAME,
     OPERATOR_NAMESPACE,
     condition,
