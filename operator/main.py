@@ -17,11 +17,18 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 logger = logging.getLogger("tidepool.operator")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The defaults are the options' own (one source); importing them loads kopf, which `main` needs anyway.
+    from tidepool.operator.handlers import OperatorOptions
+    from tidepool.operator.leader import LeaseConfig
+
+    defaults = OperatorOptions()
+    lease = {f.name: f.default for f in fields(LeaseConfig)}
     parser = argparse.ArgumentParser(prog="tidepool operator", description=__doc__.split("\n\n")[0])
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", default=[], help="watch this namespace (repeatable)")
@@ -32,18 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resync-seconds",
         type=float,
-        default=600.0,
+        default=defaults.resync_seconds,
         help="compare every object with its spec this often (+-10%%), a safety net: watches drive reconciles",
     )
     parser.add_argument(
         "--feature-recheck-seconds",
         type=float,
-        default=300.0,
+        default=defaults.feature_recheck_seconds,
         help="look up optional CRDs (LeaderWorkerSet, ServiceMonitor, InferencePool) again this often",
     )
-    parser.add_argument("--workers", type=int, default=16, help="InferenceServices reconciled concurrently")
-    parser.add_argument("--kube-api-qps", type=float, default=200.0, help="API requests per second (token bucket)")
-    parser.add_argument("--kube-api-burst", type=int, default=400, help="API requests allowed in a burst")
+    parser.add_argument(
+        "--workers", type=int, default=defaults.workers, help="InferenceServices reconciled concurrently"
+    )
+    parser.add_argument(
+        "--kube-api-qps", type=float, default=defaults.kube_api_qps, help="API requests per second (token bucket)"
+    )
+    parser.add_argument(
+        "--kube-api-burst", type=int, default=defaults.kube_api_burst, help="API requests allowed in a burst"
+    )
     election = parser.add_argument_group("leader election (several replicas, one reconciles)")
     election.add_argument(
         "--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="hold a Lease before reconciling"
@@ -52,10 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument(
         "--leader-election-namespace", default=None, help="namespace of the Lease; default the pod's own"
     )
-    election.add_argument("--lease-duration-seconds", type=float, default=15.0, help="a dead leader's Lease expiry")
-    election.add_argument("--renew-deadline-seconds", type=float, default=10.0, help="a leader unable to renew quits")
-    election.add_argument("--retry-period-seconds", type=float, default=5.0, help="renew / poll interval")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node; sizes multi-node replicas")
+    election.add_argument(
+        "--lease-duration-seconds", type=float, default=lease["lease_duration_s"], help="a dead leader's Lease expiry"
+    )
+    election.add_argument(
+        "--renew-deadline-seconds", type=float, default=lease["renew_deadline_s"], help="a leader unable to renew quits"
+    )
+    election.add_argument(
+        "--retry-period-seconds", type=float, default=lease["retry_period_s"], help="renew / poll interval"
+    )
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=defaults.gpus_per_node, help="GPUs per node; sizes multi-node replicas"
+    )
     parser.add_argument(
         "--engine-image",
         default=None,
@@ -66,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-download-image", default=None, help="image with `tidepool download` (hf:// models); default: engine image"
     )
     parser.add_argument(
-        "--s3-download-image", default="amazon/aws-cli:2.22.35", help="image with `aws` for s3:// models"
+        "--s3-download-image", default=defaults.s3_download_image, help="image with `aws` for s3:// models"
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
