@@ -1,9 +1,11 @@
 """Two commits, one benchmark, one run: is the working tree as fast as a base commit?
 
 Runs a bench script (default `offline_throughput.py --workloads bs1,uniform`) on the base commit and on
-this working tree, alternating (base, new, base, new, ...), each in a fresh process, and prints the
+this working tree, alternating in ABBA order (base, new, new, base, ...), each in a fresh process, and prints the
 new/base ratio of chosen metrics per round and their median. Alternating in one run is what makes the
-ratio mean something on a shared, noisy machine: drift hits both sides alike.
+ratio mean something on a shared, noisy machine: drift hits both sides alike, and whatever running
+first or second in a round does (warm page cache, memory another process just freed) cancels over an
+even number of rounds.
 
 How the base commit runs without its own install: `git worktree add` checks it out under a temporary
 folder, and a package folder is assembled from symlinks following that commit's own `ROOTS` mapping in
@@ -102,10 +104,12 @@ def main() -> None:
             new_packages = assemble_packages(REPO, work / "new-packages")
             rounds: list[dict[str, dict[str, float]]] = []
             for i in range(args.rounds):
-                print(f"== round {i + 1}/{args.rounds}: base {base_sha[:8]}", flush=True)
-                base = run_side(base_tree, base_packages, args.script, bench_args, work / f"base-{i}")
-                print(f"== round {i + 1}/{args.rounds}: working tree", flush=True)
-                new = run_side(REPO, new_packages, args.script, bench_args, work / f"new-{i}")
+                results: dict[str, dict[str, Any]] = {}
+                sides = (("base", base_tree, base_packages), ("new", REPO, new_packages))
+                for side, tree, packages in sides if i % 2 == 0 else sides[::-1]:  # ABBA: order effects cancel
+                    print(f"== round {i + 1}/{args.rounds}: {side}", flush=True)
+                    results[side] = run_side(tree, packages, args.script, bench_args, work / f"{side}-{i}")
+                base, new = results["base"], results["new"]
                 rounds.append({m: {"base": metric(base, m), "new": metric(new, m)} for m in metrics})
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base_tree)], check=False)

@@ -87,7 +87,7 @@ def build(target: Path, speculative: dict[str, Any] | None, args: Any) -> Any:
         max_model_len=args.max_model_len,
         num_kv_blocks=args.max_model_len // 16 * 2,
         show_progress=False,
-        speculative=speculative,
+        speculative_config=speculative,
     )
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
     return llm

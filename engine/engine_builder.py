@@ -113,15 +113,15 @@ def build_engine(config: EngineConfig) -> EngineParts:
         num_kv_blocks=num_blocks,
         show_progress=config.show_progress,
     )
-    speculator = Speculator.build(config.speculative, ctx) if config.speculative is not None else None
+    speculator = Speculator.build(config.speculative_config, ctx) if config.speculative_config is not None else None
     handoff = None
-    if config.kv_role != "unified":
+    if config.role != "unified":
         if executor is not None:
             raise ValueError(
-                f"kv_role={config.kv_role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
+                f"role={config.role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
                 "(each rank would ship its own KV shard); run prefill and decode engines without TP/PP"
             )
-        handoff = KVHandoff.build(config.kv_role, config.kv_port, config.kv_transfer_timeout_s, ctx)
+        handoff = KVHandoff.build(config.role, config.kv_port, config.kv_transfer_timeout, ctx)
     hooks: list[StepHook] = [hook for hook in (handoff, speculator) if hook is not None]
     clock.mark("features")
     logger.info("start-up phases (s): %s", clock.summary(), extra={"startup_phases": clock.phases})

@@ -68,10 +68,10 @@ class EngineConfig(BaseModel):
     show_progress: bool = Field(True, description="Show progress bars while the engine loads")
     num_threads: int | None = flag_field("num-threads")
     quantization: Quantization | None = flag_field("quantization")
-    speculative: SpeculativeConfig | None = flag_field("speculative-config")
-    kv_role: KvRole = flag_field("role")
+    speculative_config: SpeculativeConfig | None = flag_field("speculative-config")
+    role: KvRole = flag_field("role")
     kv_port: int = flag_field("kv-port")
-    kv_transfer_timeout_s: float = flag_field("kv-transfer-timeout")
+    kv_transfer_timeout: float = flag_field("kv-transfer-timeout")
     # Parallelism (engine/distributed): tp x pp ranks, rank 0 in this process, the rest worker processes.
     tensor_parallel_size: int = flag_field("tensor-parallel-size")
     pipeline_parallel_size: int = flag_field("pipeline-parallel-size")

@@ -139,7 +139,7 @@ class LLMEngine:
         """The parts the hooks take in a new request (they may refuse it); a hand-off no hook takes is refused."""
         joined = [part for hook in self.hooks if (part := hook.on_add(request, kv_transfer)) is not None]
         if kv_transfer is not None and not joined:
-            raise ValueError("this engine runs kv_role='unified'; start it as 'prefill' or 'decode' for a hand-off")
+            raise ValueError("this engine runs role='unified'; start it as 'prefill' or 'decode' for a hand-off")
         return joined
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

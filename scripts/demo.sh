@@ -41,7 +41,7 @@ task = [{"role": "user", "content": "Write each of these words on its own line: 
 greedy = SamplingParams(temperature=0.0, max_tokens=48)
 plain = llm.chat([task], greedy, use_tqdm=False)[0].outputs[0]
 spec_llm = LLM(model, max_model_len=2048, show_progress=False,
-               speculative={"method": "ngram", "num_speculative_tokens": 4})
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
 spec = spec_llm.chat([task], greedy, use_tqdm=False)[0].outputs[0]
 stats = spec_llm.engine.get_stats()
 print(f"\n>>> (greedy) {task[0]['content']}\n{plain.text.strip()}")

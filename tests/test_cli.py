@@ -38,7 +38,7 @@ def test_generate_invalid_engine_option_is_one_line(tiny_model_dir: Path, capsys
     bad_k = '{"method": "ngram", "num_speculative_tokens": 0}'
     assert main(["generate", str(tiny_model_dir), "--speculative-config", bad_k]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("tidepool generate: error: speculative.num_speculative_tokens: ")
+    assert len(err) == 1 and err[0].startswith("tidepool generate: error: speculative_config.num_speculative_tokens: ")
     assert main(["generate", str(tiny_model_dir), "--speculative-config", "{method"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--speculative-config is not valid JSON" in err[0]

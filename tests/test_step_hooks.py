@@ -191,7 +191,7 @@ def test_on_add_may_refuse_a_request_and_an_untaken_hand_off_is_refused(engine: 
     engine.hooks.append(Recorder("a", log))
     with pytest.raises(ValueError, match="refused by the hook"):
         engine.add_request("refused", "hello", GREEDY)
-    with pytest.raises(ValueError, match="kv_role='unified'"):  # no hook takes part in the hand-off
+    with pytest.raises(ValueError, match="role='unified'"):  # no hook takes part in the hand-off
         engine.add_request("hand-off", "hello", GREEDY, kv_transfer=ProducerParams("t", "127.0.0.1:1"))
     assert _points(log) == ["on_add", "on_add"] and not engine.has_unfinished_requests()
     assert engine.scheduler.num_waiting == 0 and not engine._tracked
@@ -209,6 +209,6 @@ def test_the_builder_registers_feature_hooks(tiny_model_dir: Path, engine: LLMEn
     assert engine.hooks == [] and engine.speculator is None and engine.kv_connector is None
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     speculating = LLMEngine(
-        EngineConfig(model=str(tiny_model_dir), show_progress=False, max_model_len=64, speculative=spec)
+        EngineConfig(model=str(tiny_model_dir), show_progress=False, max_model_len=64, speculative_config=spec)
     )
     assert speculating.hooks == [speculating.speculator] and isinstance(speculating.speculator, StepHook)

@@ -272,8 +272,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 @pytest.mark.parametrize(
     "engine",
     [
-        {"speculative": NGRAM},
-        {"speculative": NGRAM, "max_num_batched_tokens": 24},  # proposals trimmed by the budget, chunked prefill
+        {"speculative_config": NGRAM},
+        {"speculative_config": NGRAM, "max_num_batched_tokens": 24},  # proposals trimmed by the budget, chunked prefill
         {"num_kv_blocks": 40, "block_size": 8, "max_model_len": 320},  # too little KV for all: preemption and recompute
         {"max_num_batched_tokens": 7, "enable_prefix_caching": True},  # tiny chunks; the shared prompt is cached
     ],
@@ -287,7 +287,7 @@ def test_tokens_do_not_depend_on_speculation_preemption_or_chunking(
     got, structured_llm = _tokens(tiny_model_dir, params, **engine)
     assert got == want
     stats = structured_llm.engine.get_stats()
-    if "speculative" in engine:
+    if "speculative_config" in engine:
         assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # accepted and rejected both
     if "num_kv_blocks" in engine:
         assert stats.num_preemptions_total > 0

@@ -91,9 +91,9 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, rc: ResolvedConfig) -> None:
         parallel = ParallelConfig.from_engine(config)
         parallel.validate()
-        if config.kv_role != "unified":
+        if config.role != "unified":
             raise ValueError(
-                f"kv_role={config.kv_role!r} (P/D disaggregation) does not support tensor/pipeline parallelism yet; "
+                f"role={config.role!r} (P/D disaggregation) does not support tensor/pipeline parallelism yet; "
                 "use tensor_parallel_size=1 and pipeline_parallel_size=1"
             )
         self.parallel = parallel

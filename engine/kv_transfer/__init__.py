@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation: engine roles, the KV connector, and copying KV in and out of blocks.
 
-Roles (`EngineConfig.kv_role`): `unified` (no transfers), `prefill` (a request carrying
+Roles (`EngineConfig.role`, `--role`): `unified` (no transfers), `prefill` (a request carrying
 `ProducerParams` is prefilled, its first token sampled, and its prompt KV + first token sent to
 the decode engine at `decode_kv_addr`), `decode` (a request carrying a received `KVPayload`
 is admitted with that KV in freshly allocated blocks and continues from the first token).

@@ -1,6 +1,6 @@
 """The engine's side of the P/D hand-off: which requests send KV, which wait to be admitted with it.
 
-`KVHandoff` is the engine's step hook (step_hooks.py) when its `kv_role` is `prefill` or
+`KVHandoff` is the engine's step hook (step_hooks.py) when its `role` is `prefill` or
 `decode`, and runs on the engine thread only; it reaches the engine through the hook points
 alone (`on_add` checks and takes the requests that carry a `kv_transfer`). Prefill: a producer
 request's prompt KV and first token are copied out in the step that samples that token — before
@@ -68,12 +68,12 @@ class KVHandoff(StepHook):
             raise ValueError("prompt_logprobs and max_tokens=0 are not supported with a P/D KV hand-off")
         if isinstance(kv_transfer, ProducerParams):
             if self.role != "prefill":
-                raise ValueError(f"this engine's kv_role is {self.role!r}; only a 'prefill' engine sends KV")
+                raise ValueError(f"this engine's role is {self.role!r}; only a 'prefill' engine sends KV")
             if params.max_tokens != 1:
                 raise ValueError("a prefill (producer) request must have max_tokens=1: the decode engine generates")
             return
         if self.role != "decode":
-            raise ValueError(f"this engine's kv_role is {self.role!r}; only a 'decode' engine takes received KV")
+            raise ValueError(f"this engine's role is {self.role!r}; only a 'decode' engine takes received KV")
         if kv_transfer.prompt_token_ids != token_ids:
             raise ValueError(
                 f"KV transfer {kv_transfer.transfer_id} was prefilled for a different prompt "

@@ -34,7 +34,7 @@ async def attach_kv_transfer(info: EngineInfo, req: SamplingRequest, children: l
         params = parse_kv_transfer_params(raw)
     except ValueError as err:
         raise APIError(str(err), param="kv_transfer_params") from err
-    role = info.kv_role
+    role = info.role
     wanted = "prefill" if isinstance(params, ProducerParams) else "decode"
     if role != wanted:
         raise APIError(
@@ -62,7 +62,7 @@ async def attach_kv_transfer(info: EngineInfo, req: SamplingRequest, children: l
     if info.kv_receive is None:
         raise APIError("this engine cannot receive KV", status_code=500, type="internal_error")
     try:
-        payload = await info.kv_receive(params.transfer_id, info.kv_transfer_timeout_s)
+        payload = await info.kv_receive(params.transfer_id, info.kv_transfer_timeout)
     except KVTransferError as err:
         raise APIError(str(err), status_code=504, type="kv_transfer_error", code="kv_transfer_timeout") from err
     if payload.prompt_token_ids != child.prompt_token_ids:

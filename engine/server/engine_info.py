@@ -32,8 +32,8 @@ class EngineInfo:
     enable_prefix_caching: bool
     gpu_memory_utilization: float
     tokenizer: Tokenizer
-    kv_role: str  # "unified", "prefill" or "decode"
-    kv_transfer_timeout_s: float
+    role: str  # "unified", "prefill" or "decode"
+    kv_transfer_timeout: float  # seconds
     # Decode role: waits for a transfer's KV (KVReceiver.take_async); prefill role: waits for the
     # decode engine's acknowledgement of a sent transfer (KVSender.wait_sent_async).
     kv_receive: Callable[[str, float], Awaitable[KVPayload]] | None = None
@@ -55,8 +55,8 @@ class EngineInfo:
             enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization,
             tokenizer=engine.tokenizer,
-            kv_role=config.kv_role,
-            kv_transfer_timeout_s=config.kv_transfer_timeout_s,
+            role=config.role,
+            kv_transfer_timeout=config.kv_transfer_timeout,
             kv_receive=receiver.take_async if receiver is not None else None,
             kv_wait_sent=sender.wait_sent_async if sender is not None else None,
         )

@@ -1,4 +1,4 @@
-"""Speculative decoding configuration (`LLM(speculative={...})`, `tidepool serve --speculative-config`).
+"""Speculative decoding configuration (`LLM(speculative_config={...})`, `tidepool serve --speculative-config`).
 
 Torch-free and pydantic, validated at the edge: a bad key or value raises `ValueError` naming
 the field and the fix. The engine-wide `num_speculative_tokens` is a ceiling; the per-request

@@ -157,6 +157,6 @@ def test_draft_model_may_be_a_gguf(gguf_model) -> None:
     prompts = [[5, 17, 99, 3, 5, 17, 99]]
     plain = LLM(str(file), **engine).generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids
     spec = {"method": "draft", "draft_model": str(file), "num_speculative_tokens": 3}
-    llm = LLM(str(file), speculative=spec, **engine)
+    llm = LLM(str(file), speculative_config=spec, **engine)
     assert llm.generate(prompts, params, use_tqdm=False)[0].outputs[0].token_ids == plain
     assert llm.engine.get_stats().spec_num_accepted_tokens > 0

@@ -28,7 +28,7 @@ PROMPTS = [
 
 
 def _engine(model: Path, role: str = "unified", **kw) -> LLMEngine:
-    config = EngineConfig(model=str(model), dtype="float32", kv_role=role, kv_port=0, num_kv_blocks=64,
+    config = EngineConfig(model=str(model), dtype="float32", role=role, kv_port=0, num_kv_blocks=64,
                           max_model_len=256, block_size=8, show_progress=False, **kw)  # fmt: skip
     return LLMEngine(config)
 

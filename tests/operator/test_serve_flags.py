@@ -203,7 +203,10 @@ def test_builder_args_parse_back_to_the_spec(spec: dict[str, Any], features: Clu
         assert kwargs["pipeline_parallel_size"] == model.parallelism.pipeline
         assert kwargs["quantization"] == (None if model.model.quantization == "none" else model.model.quantization)
         if model.engine.speculative is not None:
-            assert kwargs["speculative"]["num_speculative_tokens"] == model.engine.speculative.num_speculative_tokens
+            assert (
+                kwargs["speculative_config"]["num_speculative_tokens"]
+                == model.engine.speculative.num_speculative_tokens
+            )
 
 
 @pytest.mark.parametrize("spelling", managed_spellings())
@@ -257,13 +260,13 @@ ENGINE_ARGV_CASES: list[tuple[list[str], dict[str, Any]]] = [
          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
         {"quantization": "int8", "num_threads": 2, "gpu_memory_utilization": 0.5, "max_model_len": 128,
          "kv_cache_memory_bytes": 1000, "num_kv_blocks": 9, "tokenizer": "t",
-         "speculative": {"method": "ngram", "num_speculative_tokens": 3}},
+         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     ),
 ]  # fmt: skip
 SERVE_ONLY_ARGV_CASE = (
     ["--role", "decode", "--kv-port", "0", "--kv-transfer-timeout", "2.5", "-tp", "2", "-pp", "2", "--nnodes", "2",
      "--master-addr", "h", "--master-port", "1234"],
-    {"kv_role": "decode", "kv_port": 0, "kv_transfer_timeout_s": 2.5, "tensor_parallel_size": 2,
+    {"role": "decode", "kv_port": 0, "kv_transfer_timeout": 2.5, "tensor_parallel_size": 2,
      "pipeline_parallel_size": 2, "nnodes": 2, "master_addr": "h", "master_port": 1234},
 )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Configuration errors name the fix (LLM(speculative=...), tidepool serve --speculative-config), the
+"""Configuration errors name the fix (LLM(speculative_config=...), tidepool serve --speculative-config), the
 per-request K and off-switch rules, and the spec-decode metrics and acceptance log line."""
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ def test_draft_with_another_tokenizer_is_refused(tiny_model_dir: Path, tmp_path:
     for draft, message in ((other, "different tokenizer"), (tmp_path / "missing", "does not exist")):
         spec = {"method": "draft", "draft_model": str(draft), "num_speculative_tokens": 2}
         with pytest.raises(ValueError, match=message):
-            LLM(str(tiny_model_dir), show_progress=False, speculative=spec)
+            LLM(str(tiny_model_dir), show_progress=False, speculative_config=spec)
 
 
 def test_draft_with_another_vocab_size_is_refused(tiny_model_dir: Path, small_vocab_model: Any) -> None:
     spec = {"method": "draft", "draft_model": str(small_vocab_model(0)), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocab_size"):
-        LLM(str(tiny_model_dir), show_progress=False, speculative=spec)
+        LLM(str(tiny_model_dir), show_progress=False, speculative_config=spec)
 
 
 @pytest.mark.parametrize(

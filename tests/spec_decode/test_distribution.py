@@ -26,7 +26,7 @@ def _engine_kwargs(speculative: dict[str, Any] | None) -> dict[str, Any]:
     # Every request runs at once: speculation must stay on for the whole batch (the off-switch is raised).
     kwargs: dict[str, Any] = dict(show_progress=False, num_kv_blocks=1200, max_num_seqs=256, seed=7)
     if speculative is not None:
-        kwargs["speculative"] = {"disable_by_batch_size": 10_000, **speculative}
+        kwargs["speculative_config"] = {"disable_by_batch_size": 10_000, **speculative}
     return kwargs
 
 

@@ -23,7 +23,7 @@ def test_the_draft_is_warmed_up_before_the_engine_is_ready(
     caplog.set_level(logging.INFO, "tidepool.engine.model_runner")
     common = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, show_progress=False)
     spec = {"method": "draft", "draft_model": str(tiny_draft_dir), "num_speculative_tokens": 3}
-    llm = LLM(str(tiny_model_dir), speculative=spec, **common)
+    llm = LLM(str(tiny_model_dir), speculative_config=spec, **common)
     draft = llm.engine.speculator.draft
     assert draft is not None
     warm_ups = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up")]

@@ -46,7 +46,7 @@ def _params(free_run: list[list[int]], free_text: list[str]) -> list[SamplingPar
 
 
 def _run(model: Path, engine: dict[str, Any], speculative: dict[str, Any] | None) -> tuple[list[Any], LLM]:
-    llm = LLM(str(model), show_progress=False, max_model_len=128, speculative=speculative, **engine)
+    llm = LLM(str(model), show_progress=False, max_model_len=128, speculative_config=speculative, **engine)
     free = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     params = _params([o.outputs[0].token_ids for o in free], [o.outputs[0].text for o in free])
     wave1 = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -99,7 +99,7 @@ def test_greedy_identical(
 
 def test_off_switch_when_the_batch_is_large(tiny_model_dir: Path) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 3}
-    llm = LLM(str(tiny_model_dir), show_progress=False, max_model_len=128, speculative=spec)
+    llm = LLM(str(tiny_model_dir), show_progress=False, max_model_len=128, speculative_config=spec)
     prompt = "a b c a b c a b c a b c"
     llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert llm.engine.get_stats().spec_num_draft_tokens == 0  # three running requests: speculation off
@@ -112,7 +112,7 @@ def test_stops_inside_an_accepted_run(tiny_model_dir: Path) -> None:
     stop tokens and max_tokens at offsets 1..12 mostly land inside a run; nothing after them is emitted."""
     llm_plain = LLM(str(tiny_model_dir), show_progress=False, max_model_len=128)
     spec = {"method": "draft", "draft_model": str(tiny_model_dir), "num_speculative_tokens": 4}
-    llm_spec = LLM(str(tiny_model_dir), show_progress=False, max_model_len=128, speculative=spec)
+    llm_spec = LLM(str(tiny_model_dir), show_progress=False, max_model_len=128, speculative_config=spec)
     prompt = "the quick brown fox"
     free = llm_plain.generate([prompt], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     params = []

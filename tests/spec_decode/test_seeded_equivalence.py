@@ -30,7 +30,7 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_siz
 
 
 def _generate(model: Path, speculative: dict[str, Any] | None, together: bool, **engine: Any) -> tuple[list, LLM]:
-    llm = LLM(str(model), show_progress=False, max_model_len=64, speculative=speculative, **engine)
+    llm = LLM(str(model), show_progress=False, max_model_len=64, speculative_config=speculative, **engine)
     if together:
         outputs = llm.generate([PROMPT] * len(PARAMS), PARAMS, use_tqdm=False)
     else:
