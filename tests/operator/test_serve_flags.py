@@ -236,6 +236,8 @@ def test_engine_config_fields_are_built_from_the_flags_that_name_them() -> None:
     expected = {f.engine_field: f.name for f in SERVE_FLAGS if f.engine_field}
     assert {field: flag for field, flag in built_from.items() if flag is not None} == expected
     assert [field for field, flag in built_from.items() if flag is None] == ["show_progress"]  # no flag sets it
+    # LLM(...) takes the flags' own names: `--speculative-config X` is `LLM(speculative_config=X)`, as in vLLM.
+    assert [(f, n) for f, n in expected.items() if f != n.replace("-", "_")] == []
 
 
 def test_help_names_the_defaults_the_engine_picks() -> None:
