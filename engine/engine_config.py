@@ -170,24 +170,6 @@ def resolve_model_path(model: str, pull: bool = True) -> str:
     )
 
 
-def check_model(path: str) -> None:
-    """The checks a loader makes first, without loading weights: for a GGUF file its header, architecture,
-    tensor types and tokenizer metadata (`GGUFError` naming the problem). The parse is cached per process,
-    so an engine built afterwards in the same process does not parse the file again. Folders are checked
-    by their loaders."""
-    from .gguf.detect import is_gguf_file
-
-    if not is_gguf_file(path):
-        return
-    from .gguf.config import model_config_from_gguf
-    from .gguf.reader import open_gguf
-    from .gguf.tokenizer import GGUFTokenizerSpec
-
-    gguf = open_gguf(path)
-    model_config_from_gguf(gguf)
-    GGUFTokenizerSpec(gguf)
-
-
 def resolve_model(config: EngineConfig) -> EngineConfig:
     """`config` with `model` (and `tokenizer`) resolved to what the loaders read; idempotent."""
     model = resolve_model_path(config.model)

@@ -131,17 +131,3 @@ def test_cli_process_prints_one_line(good: Path) -> None:
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is not a GGUF file" in lines[0] and "Traceback" not in proc.stderr
-
-
-def test_check_model_finds_the_problems_before_loading(good: Path, hf_model_dir, tmp_path: Path) -> None:
-    """`check_model` (what `tidepool serve` can call before starting) raises the loaders' errors, no weights read."""
-    from tidepool.engine.engine_config import check_model
-
-    check_model(str(good))
-    check_model(str(hf_model_dir("llama-gqa")))  # folders: left to their loader
-    no_tokenizer = hf_to_gguf(hf_model_dir("llama-gqa"), tmp_path / "no-tok.gguf", tokenizer=False)
-    with pytest.raises(GGUFError, match="no tokenizer metadata"):
-        check_model(str(no_tokenizer))
-    good.write_bytes(good.read_bytes()[:300])
-    with pytest.raises(GGUFError, match="truncated or corrupt"):
-        check_model(str(good))
