@@ -24,7 +24,7 @@ How a pool's replicas are chosen, in order:
 4. Capacity: a pool with unschedulable pending pods does not grow (ScalingLimited).
 5. Missing data: a pool whose ready pods did not all answer never shrinks.
 6. prefill:decode ratio kept within [pd_ratio_min, pd_ratio_max] by growing the smaller
-   side (or, when it cannot grow, trimming the other side's growth).
+   side (or, when it cannot grow, trimming the other side's growth, never past the band's other edge).
 7. Zero: only after `idle_seconds` without any request (complete data) does every pool go to 0
    (utilization never takes a running pool below 1, even with minReplicas 0); from 0, a pool
    whose router holds requests goes to max(minReplicas, 1), and so do the others.
@@ -257,14 +257,17 @@ def _guard_ratio(
         keep = current[name].replicas if not evals[name].is_complete else 0
         return max(config.pools[name].min_replicas, min(keep, desired[name]), 1)
 
+    # Trimming one side's growth stops at the band's other edge: where no integer pair fits the band
+    # (e.g. 7 prefill at exactly 0.75), trimming past it would swap one violation for the other and make
+    # the decision depend on which side grew (more load could then mean fewer replicas).
     if p > hi * d + _EPS:
         d = max(d, min(math.ceil(p / hi - _EPS), cap(DECODE)))
         if p > hi * d + _EPS:
-            p = max(math.floor(hi * d + _EPS), floor(PREFILL))
+            p = max(math.floor(hi * d + _EPS), floor(PREFILL), min(p, math.ceil(lo * d - _EPS)))
     elif p < lo * d - _EPS:
         p = max(p, min(math.ceil(lo * d - _EPS), cap(PREFILL)))
         if p < lo * d - _EPS:
-            d = max(math.floor(p / lo + _EPS), floor(DECODE))
+            d = max(math.floor(p / lo + _EPS), floor(DECODE), min(d, math.ceil(p / hi - _EPS)))
     desired[PREFILL], desired[DECODE] = p, d
     if p > hi * d + _EPS or p < lo * d - _EPS:
         return f"prefill:decode {p}:{d} outside [{lo:g}, {hi:g}] (pool limits)"

@@ -264,3 +264,24 @@ def test_bad_pools_are_rejected_with_the_pool_named():
         decide(unified_config(pools={"prefill": PoolBounds(1, 2)}), {}, {"prefill": state(1)}, None, 0.0)
     with pytest.raises(ValueError, match="unified"):
         decide(unified_config(), {}, {}, None, 0.0)
+
+
+def test_more_decode_load_never_gets_fewer_decode_replicas_when_the_ratio_band_has_no_integer_pair():
+    """prefill:decode pinned to exactly 0.75 with prefill at its max of 7: no integer decode count fits (7/0.75 =
+    9.33). At light load the guard grows decode to 10 for prefill's sake; at heavy load decode's own growth (to 10)
+    must not then be trimmed to 9 for the band's other edge (the case hypothesis found: 9 < 10, not monotone)."""
+    config = pd_config(
+        pools={"prefill": PoolBounds(0, 7), "decode": PoolBounds(0, 10)},
+        ttft_p95_s=None, itl_p95_s=None, max_step_percent=29.0, pd_ratio_min=0.75, pd_ratio_max=0.75,
+        up_seconds=0.0, tolerance=0.0,
+    )  # fmt: skip
+    current = {"prefill": state(7), "decode": state(7)}
+    no_data = PoolSnapshot(num_pods_scraped=0, window_s=60.0)
+    decisions = [
+        decide(config, {"prefill": no_data,
+                        "decode": PoolSnapshot(preemptions_per_s=rate, num_pods_scraped=5, window_s=60.0)},
+               current, History(), 1000.0).pools["decode"]
+        for rate in (2.0, 6.0)
+    ]  # fmt: skip
+    assert [d.recommendation for d in decisions] == [7, 10]  # the heavier load asks for more decode
+    assert [d.desired for d in decisions] == [10, 10]
