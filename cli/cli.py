@@ -75,6 +75,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "router": ("tidepool.router.cli", "data-plane router in front of engine replicas"),
     "download": ("tidepool.engine.download.cli", "fetch an hf:// model into a folder (engine pods' init step)"),
     "quantize": ("tidepool.engine.quant.cli", "write an int8/int4 weight-only quantized copy of a model"),
+    "sparsify": ("tidepool.engine.sparsity.cli", "write a 2:4-sparse copy of a model (wanda, sparsegpt, magnitude)"),
     "crds": ("tidepool.operator.crdgen", "write the CustomResourceDefinitions generated from the API models"),
     "operator": ("tidepool.operator.main", "run the Kubernetes operator (kopf)"),
 }

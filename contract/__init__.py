@@ -8,6 +8,8 @@ its environment names with the operator's builders. Modules:
 - `metrics_names`, `router_metrics_names`: the Prometheus names the engine and the router export.
 - `download`: the download init container's environment and termination-log names.
 - `catalogue`: the `tidepool pull` catalogue (catalogue:// model URIs).
+- `lora`: the `lora_path` source URIs the operator sends and the engine fetches (hf://org/name[@rev]).
+- `wire`: the multi-node control channel's frames (typed, versioned, no pickle), handshake and key file.
 
 Invariant: standard library only, no import side effects (tests/test_architecture.py checks both),
 so the operator image, which has no torch, can import all of it.

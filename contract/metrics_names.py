@@ -10,7 +10,8 @@ Invariants:
   family `X` as `X_bucket`, `X_sum` and `X_count`. `sample_total()` gives the counter sample
   name that PromQL and scrapers see (e.g. `vllm:prompt_tokens_total`).
 - Every metric carries the label `MODEL_NAME_LABEL` except `CACHE_CONFIG_INFO` (an info metric of the
-  cache's settings, unlabelled in vLLM too); `REQUEST_SUCCESS` also carries
+  cache's settings, unlabelled in vLLM too) and `LORA_REQUESTS_INFO` (the gateway protocol's labels
+  only, as in vLLM); `REQUEST_SUCCESS` also carries
   `FINISHED_REASON_LABEL` ("stop", "length" or "abort").
 - Timestamps behind the histograms come from the engine's monotonic clock, in seconds.
 - Tidepool's own metrics (no vLLM equivalent) are named `tidepool:*` and listed apart.
@@ -78,3 +79,23 @@ def sample_total(counter: str) -> str:
 # Tidepool's own (no vLLM equivalent)
 STARTUP_PHASE_SECONDS = "tidepool:startup_phase_seconds"  # gauge: seconds each engine start phase took
 STARTUP_PHASE_LABEL = "phase"  # engine/startup_phases.PHASES: import, resolve, tokenizer, weights, ...
+
+# LoRA adapters (issue #37); exported only by an engine started with --enable-lora.
+# The Gateway API Inference Extension's model-server protocol (docs/proposals/003-model-server-protocol),
+# as vLLM implements it: a gauge whose VALUE is the wall-clock time (seconds since the epoch) the label set
+# last changed, so a reader takes the sample with the largest value as the current one; its labels are
+# LORA_MAX_LORA_LABEL (device slots, an integer as a string) and the adapters of the running and the waiting
+# requests as names joined by "," (no spaces; "" for none). It carries no model_name label, as in vLLM.
+# Readers do as the protocol's endpoint picker does: skip samples whose two lists are both empty (the
+# server is idle; the last non-empty set still says which adapters it holds). The engine keeps at most two
+# samples: the current label set and the last one with an adapter in it.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+LORA_MAX_LORA_LABEL = "max_lora"
+LORA_RUNNING_ADAPTERS_LABEL = "running_lora_adapters"
+LORA_WAITING_ADAPTERS_LABEL = "waiting_lora_adapters"
+LORA_ADAPTER_SEPARATOR = ","
+# Tidepool's per-adapter counters (with MODEL_NAME_LABEL, the base model's served name, and LORA_ADAPTER_LABEL).
+LORA_REQUESTS = "tidepool:lora_requests"  # counter (`_total`): engine requests admitted with this adapter
+LORA_ADAPTER_LABEL = "adapter"
+LORA_ADAPTERS_LOADED = "tidepool:lora_adapters_loaded"  # gauge (model_name only): adapters registered now
+LORA_FAMILIES = (LORA_REQUESTS_INFO, sample_total(LORA_REQUESTS), LORA_ADAPTERS_LOADED)

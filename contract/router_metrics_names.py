@@ -29,6 +29,10 @@ REPLICAS = "tidepool_router_replicas"  # known replicas per pool and state
 REQUESTS = "tidepool_router_requests"  # client requests answered, by pool, replica and code
 RETRIES = "tidepool_router_retries"  # attempts repeated on another replica (nothing streamed yet)
 PREFIX_FALLBACKS = "tidepool_router_prefix_fallbacks"  # prefix-aware choices overridden: target was hot
+# LoRA affinity, one count per replica chosen for an adapter request (a retry counts again); base-model requests
+# count in neither. Hit: a ready replica listing the adapter in its /v1/models got it. Miss: none did, sent by load.
+LORA_AFFINITY_HITS = "tidepool_router_lora_affinity_hits"
+LORA_AFFINITY_MISSES = "tidepool_router_lora_affinity_misses"
 
 # Histograms
 REQUEST_DURATION_SECONDS = "tidepool_router_request_duration_seconds"  # arrival -> last byte sent

@@ -20,7 +20,7 @@ Invariants: stdlib only, no import side effects (the operator image has no torch
 module); names are unique, spelled without the leading `--`; `default` is the value the server uses
 when the flag is absent; numeric bounds (`ge`/`gt`/`le`) are enforced by argparse here and by
 pydantic in `EngineConfig`; a `bool` flag is negatable (`--x` / `--no-x`), a `switch` is a bare
-`--x`, and a `json` flag carries a JSON object as a string.
+`--x`, a `json` flag carries a JSON object as a string, and a `list` flag takes one or more values.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from typing import Any, Literal
 
 from .quantization import QUANTIZATION_METHODS
 
-Kind = Literal["int", "float", "str", "bool", "switch", "json"]
+Kind = Literal["int", "float", "str", "bool", "switch", "json", "list"]
 
 # Help-section titles, in the order `tidepool serve --help` shows them ("" = the parser's own section).
 GROUPS: dict[str, str] = {
     "": "",
     "engine": "engine (as LLM(...))",
+    "lora": "LoRA adapters (many adapters on one base model, mixed in one batch)",
     "disagg": "prefill/decode disaggregation",
     "parallel": "parallelism (one replica over several ranks, optionally several nodes)",
     "server": "server",
@@ -103,6 +104,10 @@ class ServeFlag:
             return [self.option if value else f"--no-{self.name}"]
         if self.kind == "json":
             return [self.option, value if isinstance(value, str) else json.dumps(value, sort_keys=True)]
+        if self.kind == "list":
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise TypeError(f"{self.option} takes a list of strings, got {value!r}")
+            return [self.option, *value] if value else []
         if isinstance(value, bool):
             raise TypeError(f"{self.option} takes a {self.kind}, got {value!r}")
         return [self.option, str(value)]
@@ -142,10 +147,25 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "check a quantized checkpoint's method, quantize a dense model to int8/int4 at load, or gguf: "
               "keep a GGUF file's Q8_0/Q4_0/Q4_1 weights quantized", choices=QUANTIZATION_METHODS,
               managed=True, engine_field="quantization"),
+    ServeFlag("sparsity", "str", None, "serve a 2:4-sparse checkpoint (`tidepool sparsify`); default: detected from "
+              "the checkpoint; 2:4 asked of a dense checkpoint is an error", choices=("2:4",), managed=True,
+              engine_field="sparsity"),
     ServeFlag("speculative-config", "json", None,
               'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
               '\'{"method": "draft", "draft_model": PATH, "num_speculative_tokens": 4}\'',
               managed=True, engine_field="speculative_config"),
+    ServeFlag("enable-lora", "switch", False, "serve LoRA adapters on the base model (the request's `model` picks "
+              "one)", group="lora", managed=True, engine_field="enable_lora"),
+    ServeFlag("max-loras", "int", 1, "adapters resident at once (device slots); a request whose adapter is not "
+              "resident waits", group="lora", managed=True, engine_field="max_loras", ge=1),
+    ServeFlag("max-lora-rank", "int", 16, "largest adapter rank accepted", group="lora", managed=True,
+              engine_field="max_lora_rank", ge=1, le=1024),
+    ServeFlag("max-cpu-loras", "int", None, "adapters kept loaded in host memory (LRU); default: --max-loras",
+              group="lora", managed=True, engine_field="max_cpu_loras", ge=1),
+    ServeFlag("lora-modules", "list", None, "adapters to load at start, as name=path (or vLLM's JSON "
+              '\'{"name": ..., "path": ...}\')', group="lora"),
+    ServeFlag("allow-runtime-lora-updating", "switch", False, "enable POST /v1/load_lora_adapter and "
+              "/v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)", group="lora", managed=True),
     ServeFlag("role", "str", "unified",
               "'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port", group="disagg",
               choices=("unified", "prefill", "decode"), managed=True, engine_field="role"),
@@ -220,6 +240,8 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = 
             section.add_argument(*spellings, action=action, default=flag.default, help=flag.help)
         elif flag.kind == "switch":
             section.add_argument(*spellings, action="store_true", help=flag.help)
+        elif flag.kind == "list":
+            section.add_argument(*spellings, nargs="+", type=str, default=flag.default, help=flag.help)
         else:
             section.add_argument(
                 *spellings,

@@ -30,9 +30,12 @@ from .layers.linear import uses_compiled_gemv
 from .loading.formats import detect_format, read_model_config
 from .loading.loader import load_model
 from .loading.prepare import prepare_quantized
+from .lora.build import build_lora
+from .lora.registry import LoRARegistry
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .sparsity.load import check_sparsity_request
 from .spec_decode.speculator import Speculator
 from .startup_phases import StartupClock, process_age_s
 from .step_hooks import HookContext, StepHook
@@ -60,12 +63,14 @@ class EngineParts:
     speculator: Speculator | None
     kv_connector: KVConnector | None  # the P/D hand-off's transport (prefill/decode roles), for the server
     hooks: list[StepHook]  # in registration order
+    lora: LoRARegistry | None  # adapters (engine/lora), with enable_lora
     startup_phases: dict[str, float]  # seconds per start phase (startup_phases.PHASES order), for logs and metrics
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
     clock = StartupClock(IMPORT_S)
     config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
+    check_sparsity_request(config.model, config.sparsity, config.quantization)  # --sparsity 2:4 of a dense model
     if config.quantization is not None:
         quantized = prepare_quantized(config.model, config.quantization)
         config = config.model_copy(update={"model": quantized, "tokenizer": config.tokenizer or config.model})
@@ -81,16 +86,19 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if executor is not None:
         executor.init_kv_cache(num_blocks)
     kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    lora = build_lora(config, model, model_config, rc.dtype, rc.device, executor.lora_slots if executor else None)
     scheduler = Scheduler(
         kv_cache,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=rc.max_num_batched_tokens,
         max_model_len=rc.max_model_len,
         enable_chunked_prefill=config.enable_chunked_prefill,
+        lora_gate=lora,
     )
     sampler = Sampler(config.seed, rc.device)
     clock.mark("kv_cache")  # sized, and the block pool built (the scheduler and sampler: microseconds)
     runner = ModelRunner(model, runner_config, config.block_size, num_blocks, sampler, rc.device)
+    runner.serves_lora = lora is not None  # each step passes its adapter tokens' slots to the model
     if executor is not None:
         executor.model.bind_kv_caches(runner.kv_caches)
     runner_s = clock.lap()  # the runner lays out the weights, then reserves the KV cache
@@ -127,7 +135,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     logger.info("start-up phases (s): %s", clock.summary(), extra={"startup_phases": clock.phases})
     return EngineParts(
         config, rc, tokenizer, model, model_config, threads, executor, num_blocks, kv_cache, scheduler, sampler,
-        runner, speculator, handoff.connector if handoff is not None else None, hooks, clock.phases,
+        runner, speculator, handoff.connector if handoff is not None else None, hooks, lora, clock.phases,
     )  # fmt: skip
 
 

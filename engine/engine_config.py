@@ -37,6 +37,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 # Choices are the flag table's (quantization's are contract/quantization.py's, shared with the CRD).
 Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
 Quantization = Literal[FLAGS["quantization"].choices]  # type: ignore[valid-type]
+Sparsity = Literal[FLAGS["sparsity"].choices]  # type: ignore[valid-type]
 KvRole = Literal[FLAGS["role"].choices]  # type: ignore[valid-type]
 SERVE_FLAG_KEY = "serve_flag"  # json_schema_extra key naming the flag a field is built from
 
@@ -68,7 +69,12 @@ class EngineConfig(BaseModel):
     show_progress: bool = Field(True, description="Show progress bars while the engine loads")
     num_threads: int | None = flag_field("num-threads")
     quantization: Quantization | None = flag_field("quantization")
+    sparsity: Sparsity | None = flag_field("sparsity")
     speculative_config: SpeculativeConfig | None = flag_field("speculative-config")
+    enable_lora: bool = flag_field("enable-lora")
+    max_loras: int = flag_field("max-loras")
+    max_lora_rank: int = flag_field("max-lora-rank")
+    max_cpu_loras: int | None = flag_field("max-cpu-loras")
     role: KvRole = flag_field("role")
     kv_port: int = flag_field("kv-port")
     kv_transfer_timeout: float = flag_field("kv-transfer-timeout")

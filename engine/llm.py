@@ -3,7 +3,8 @@
 `generate` validates every prompt before queueing any (one bad prompt raises `ValueError` and
 nothing runs), fans `n > 1` out into n sequences (seeded ones get seeds seed, seed+1, …, so
 the n completions differ but stay reproducible), steps the engine until all are done and
-returns results in input order.
+returns results in input order. `lora_request` (vLLM's): one `LoRARequest` for every prompt or one per
+prompt (None: the base model); an adapter not yet registered is read from its path and registered first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 
 from .engine_config import EngineConfig
 from .llm_engine import LLMEngine
+from .lora.types import LoRAError, LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -42,18 +44,20 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        lora_names = self._lora_names(lora_request, len(prompt_list))
         for prompt in prompt_list:
             self.engine.validate_prompt(prompt)
         groups: list[tuple[str, list[str]]] = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
+        for prompt, params, lora_name in zip(prompt_list, params_list, lora_names, strict=True):
             parent = str(next(self._counter))
             children = []
             for i in range(params.n):
                 child_id = parent if params.n == 1 else f"{parent}-{i}"
-                self.engine.add_request(child_id, prompt, params.for_completion(i))
+                self.engine.add_request(child_id, prompt, params.for_completion(i), lora_name=lora_name)
                 children.append(child_id)
             groups.append((parent, children))
 
@@ -75,6 +79,27 @@ class LLM:
                 outputs.append(completion)
             results.append(dataclasses.replace(first, request_id=parent, outputs=outputs))
         return results
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[str | None]:
+        """Each prompt's adapter name, registering adapters met for the first time (or under a new path)."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * count
+        else:
+            requests = list(lora_request)
+            if len(requests) != count:
+                raise ValueError(f"got {len(requests)} lora requests for {count} prompts; give one or one per prompt")
+        registry = self.engine.lora
+        for request in {r.lora_name: r for r in requests if r is not None}.values():
+            if registry is None:
+                raise LoRAError(f"adapter {request.lora_name!r} asked for, but LoRA is off: pass enable_lora=True")
+            if registry.has(request.lora_name) and registry.info(request.lora_name).path == request.lora_path:
+                continue
+            if registry.has(request.lora_name):
+                registry.unregister(request.lora_name)
+            registry.register(registry.read(request.lora_name, request.lora_path))
+        return [None if r is None else r.lora_name for r in requests]
 
     def chat(
         self,

@@ -21,6 +21,8 @@ inside a step (the sampler on its parameters, its detokenization) is finished al
 `finish_reason="abort"` and `RequestOutput.error`; when the batched run raises, the step's
 sequences are rerun one at a time to find which ones fail (isolation.py), so the others carry
 on with the tokens they would have had. A fault of the engine itself still raises.
+LoRA: `self.lora` (engine/lora/registry.py, None unless enable_lora) names the adapters; a request's
+`lora_name` is resolved to its adapter's current load at `add_request` (404 `LoRAError` when unknown).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from .engine_builder import build_engine
 from .engine_config import EngineConfig
 from .isolation import StepIsolation
 from .kv_transfer import KVConnector, KVPayload, ProducerParams
+from .lora.registry import LoRARegistry, load_id_of
+from .lora.types import LoRAError
 from .outputs import RequestOutput, TrackedRequest
 from .request import Request, RequestStatus, check_prompt_token_ids
 from .sampling_params import SamplingParams
@@ -61,6 +65,7 @@ class LLMEngine:
         self.hooks: list[StepHook] = parts.hooks
         self.speculator = parts.speculator
         self.kv_connector: KVConnector | None = parts.kv_connector
+        self.lora: LoRARegistry | None = parts.lora
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self._tracked: dict[str, TrackedRequest] = {}
         # Structured outputs: the server compiles through it off this thread; `add_request` takes the result.
@@ -86,6 +91,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_transfer: ProducerParams | KVPayload | None = None,
         grammar: Grammar | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate and queue one sequence (n must be 1 here; `LLM` fans out n > 1).
 
@@ -97,6 +103,8 @@ class LLMEngine:
         a prefill engine sends the prompt's KV and first token on once prefilled; a received `KVPayload`
         on a decode engine admits the request with that KV and continues from the first token, without
         recomputing the prompt.
+
+        `lora_name` runs the request with that registered adapter (LoRAError 404 `model_not_found` when unknown).
         """
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -117,6 +125,8 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            lora_name=lora_name,
+            lora_id=load_id_of(self.lora, lora_name),
         )
         detok = IncrementalDetokenizer(
             self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
@@ -125,6 +135,8 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             tracked.prompt_logprobs = [None]  # nothing predicts the first prompt token
         joined = self._on_add(request, kv_transfer)
+        if self.lora is not None and request.lora_id is not None:
+            self.lora.on_add(request)  # counted as waiting for its adapter (the GIE metric) until it runs
         if not any(part.held for part in joined):  # a held request waits in its hook (for KV room), not scheduled
             self.scheduler.add_request(request)
         self._tracked[request_id] = tracked
@@ -196,7 +208,7 @@ class LLMEngine:
         """One scheduled forward pass; returns an output for every request that produced a token."""
         start = time.monotonic()
         proposals = self._before_schedule()
-        ready, self._ready = self._ready, []
+        ready, self._ready = self._ready + self._fail_unloadable_adapters(), []
         sched_out = self.scheduler.schedule(proposals)
         if sched_out.is_empty:
             return ready
@@ -302,6 +314,12 @@ class LLMEngine:
             hook.after_run(sched_out, runner_out)
         return runner_out
 
+    def _fail_unloadable_adapters(self) -> list[RequestOutput]:
+        """Fail the waiting requests of adapters whose evicted weights could not be read again."""
+        failed = self.lora.failed_load_ids() if self.lora is not None else {}
+        errors = {r.request_id: LoRAError(failed[r.lora_id]) for r in self.scheduler.waiting if r.lora_id in failed}
+        return self._fail_requests(errors) if errors else []
+
     def _fail_requests(self, errors: dict[str, Exception]) -> list[RequestOutput]:
         """Finish each failed request as aborted, with its error; the others are untouched."""
         outputs = []
@@ -348,6 +366,8 @@ class LLMEngine:
         for hook in self.hooks:
             hook.close()
         self.grammars.close()
+        if self.lora is not None:
+            self.lora.close()
         if self.executor is not None:
             self.executor.shutdown()
 
@@ -362,6 +382,8 @@ class LLMEngine:
             logger.error("request %s: flushing its text failed", request.request_id, exc_info=err)
             tracked.error = tracked.error or f"{type(err).__name__}: {err}"
         self.sampler.release(request.request_id)
+        if self.lora is not None and request.lora_id is not None:
+            self.lora.on_finish(request)
         for hook in self.hooks:
             hook.on_finish(request.request_id)
         return tracked.output(finished=True)

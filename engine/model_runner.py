@@ -5,7 +5,8 @@ A step runs in four stages, each with plain typed inputs and outputs:
    (`StepInputs`: ids, positions, KV slots, block tables, the rows to read back);
 2. attention metadata (`RunnerBackend.metadata`): those lists as device tensors and the
    `AttentionMetadata` every layer shares;
-3. run (`_run`): the model's forward over the paged KV cache, hidden states out;
+3. run (`_run`): the model's forward over the paged KV cache, hidden states out (with each token's
+   LoRA slot when the step has adapter tokens: runner_inputs.py);
 4. sample (`_sample`): logits only for the rows read back (sampling sequences, speculative
    proposals' rows, prompt logprobs: prompt_logprobs.py), the sampler on the sampling rows.
 The attention backend (CPU torch / CPU compiled op / CUDA, runner_backend.py) is chosen once at
@@ -67,6 +68,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.computes_prompt_logprobs = True  # False for a speculative draft's runner: nobody reads its prompt's
+        self.serves_lora = False  # True once the engine attached LoRA slots to the model (engine/lora)
         self.backend: RunnerBackend = choose_backend(device, config, block_size)
         if isinstance(model, torch.nn.Module):
             self.backend.prepare_model(model)
@@ -91,7 +93,7 @@ class ModelRunner:
         replayed = self._replay(sched_out)
         if replayed is not None:
             return replayed
-        inputs = prepare_inputs(sched_out, self.block_size, self.computes_prompt_logprobs)
+        inputs = prepare_inputs(sched_out, self.block_size, self.computes_prompt_logprobs, self.serves_lora)
         meta = self.backend.metadata(inputs)
         hidden = self._run(inputs, meta, self.kv_caches)
         return self._sample(hidden, inputs)
@@ -101,7 +103,11 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Stage 3: the forward; hidden states [num_tokens, hidden]."""
         to_device = self.backend.to_device
-        return self.model(to_device(inputs.input_ids), to_device(inputs.positions), kv_caches, meta)
+        ids, positions = to_device(inputs.input_ids), to_device(inputs.positions)
+        if not inputs.lora_slots:
+            return self.model(ids, positions, kv_caches, meta)
+        lora_slots = to_device(inputs.lora_slots).to(torch.int32)
+        return self.model(ids, positions, kv_caches, meta, lora_slots=lora_slots)
 
     def _sample(self, hidden: torch.Tensor, inputs: StepInputs) -> ModelRunnerOutput:
         """Stage 4: logits for the rows read back; sampled tokens for the sampling rows."""
@@ -175,7 +181,7 @@ class ModelRunner:
         """A decode-only step that fits a captured size, replayed and sampled; None when it runs eagerly."""
         if self.graphs is None or self.graphs.bucket_for(len(sched_out.scheduled)) is None:
             return None
-        decode = decode_batch(sched_out, self.block_size)
+        decode = decode_batch(sched_out, self.block_size, self.serves_lora)
         if decode is None:
             return None
         batch, requests = decode

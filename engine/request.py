@@ -65,6 +65,11 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_token_id: int | None = None  # the token that stopped it, if any
+    # LoRA (engine/lora): the adapter's name and load id (None: the base model), fixed at add time; the load id
+    # keys the prefix cache. `lora_slot`: its device slot while it runs (set and cleared by the registry's gate).
+    lora_name: str | None = None
+    lora_id: int | None = None
+    lora_slot: int | None = None
     # Timestamps (monotonic seconds) for metrics; filled by the engine, never read by the scheduler.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

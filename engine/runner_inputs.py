@@ -7,6 +7,10 @@ first); for each, its known tokens from `num_computed_tokens` on, then its specu
 hidden states are read after the run: `sample_rows` (a sampling sequence's last token),
 `spec_rows` (the last known token and each proposal) and `prompt_rows` (prompt logprobs).
 
+LoRA: `lora_slots` holds each token's adapter slot (-1: base model) only when some scheduled
+sequence runs with an adapter (`Request.lora_slot`); it stays empty otherwise, so a step without
+adapter tokens is exactly what it was. A step with adapter tokens never replays a CUDA graph.
+
 Nothing here touches a device: stage 2 (`runner_backend.py`) turns these lists into tensors and
 attention metadata. `decode_batch` is the same stage for a step that replays a CUDA graph.
 """
@@ -55,6 +59,7 @@ class StepInputs:
     sample_requests: list[Request] = field(default_factory=list)
     spec_rows: list[SpecRows] = field(default_factory=list)
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # per token, only when some token has an adapter
 
     def add(self, seq: ScheduledSeq, block_size: int, with_prompt_logprobs: bool) -> None:
         """Append one scheduled sequence's tokens and rows."""
@@ -65,6 +70,11 @@ class StepInputs:
         if rows is not None:
             self.prompt_rows.append(rows)
         num_known = context_len - len(seq.spec_token_ids)
+        lora_slot = seq.request.lora_slot
+        if lora_slot is not None and not self.lora_slots:
+            self.lora_slots.extend([-1] * query_start)  # the base-model tokens before the first adapter token
+        if self.lora_slots or lora_slot is not None:
+            self.lora_slots.extend([-1 if lora_slot is None else lora_slot] * num_new)
         self.input_ids.extend(seq.request.token_ids_slice(start, num_known))
         self.input_ids.extend(seq.spec_token_ids)
         blocks = seq.block_ids
@@ -85,11 +95,16 @@ class StepInputs:
             self.sample_requests.append(seq.request)
 
 
-def prepare_inputs(sched_out: SchedulerOutput, block_size: int, with_prompt_logprobs: bool) -> StepInputs:
-    """Stage 1: the step's host lists (`with_prompt_logprobs`: False for a draft's runner, nobody reads them)."""
+def prepare_inputs(
+    sched_out: SchedulerOutput, block_size: int, with_prompt_logprobs: bool, with_lora: bool = True
+) -> StepInputs:
+    """Stage 1: the step's host lists (`with_prompt_logprobs`: False for a draft's runner, nobody reads them;
+    `with_lora`: False for a runner whose model holds no adapters, e.g. a speculative draft's)."""
     inputs = StepInputs()
     for seq in sched_out.scheduled:
         inputs.add(seq, block_size, with_prompt_logprobs)
+    if not with_lora:
+        inputs.lora_slots = []
     return inputs
 
 
@@ -101,11 +116,16 @@ def whole_prompt_inputs(token_ids: list[int], block_size: int) -> StepInputs:
     return StepInputs(list(token_ids), list(range(num_tokens)), list(range(num_tokens)), prefills=[span])
 
 
-def decode_batch(sched_out: SchedulerOutput, block_size: int) -> tuple[DecodeBatch, list[Request]] | None:
-    """The step as a `DecodeBatch` when it is decode-only (one new token, sampled, no proposals); else None."""
+def decode_batch(
+    sched_out: SchedulerOutput, block_size: int, with_lora: bool = True
+) -> tuple[DecodeBatch, list[Request]] | None:
+    """The step as a `DecodeBatch` when it is decode-only (one new token, sampled, no proposals) and, `with_lora`,
+    has no adapter token (the graphs hold no LoRA); else None."""
     batch = DecodeBatch([], [], [], [], [])
     for seq in sched_out.scheduled:
         if seq.num_new_tokens != 1 or not seq.needs_sample or seq.spec_token_ids:
+            return None
+        if with_lora and seq.request.lora_slot is not None:
             return None
         pos = seq.num_computed_tokens
         blocks = seq.block_ids

@@ -11,6 +11,11 @@ never preempted before, so no request is preempted again while others qualify. A
 request frees its blocks (its prefix stays in the prefix cache) and goes back to the waiting
 queue in its arrival position. Pure Python, no torch.
 
+LoRA: a request with an adapter (`lora_id`) enters the running batch only when `lora_gate.acquire`
+gives its adapter a device slot; otherwise it waits and the requests behind it (base ones, those of
+resident adapters) still go on, so a missing slot never stalls the step. It releases the slot
+whenever it leaves the batch (preempted, finished, aborted).
+
 A request asking for prompt logprobs takes no prefix-cache hits for its prompt (prompt_logprobs.py);
 one with `max_tokens=0` never samples (`needs_sample` stays False) and finishes with "length" in
 the update that completes its prompt.
@@ -21,10 +26,19 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from .kv_cache import KVCacheManager
 from .request import Request, RequestStatus
 from .sched_output import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+
+
+class LoRAGate(Protocol):
+    """Device slots for adapters (engine/lora/registry.py): held by a request while it is in the running batch."""
+
+    def acquire(self, request: Request) -> bool: ...
+
+    def release(self, request: Request) -> None: ...
 
 
 class Scheduler:
@@ -35,8 +49,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        lora_gate: LoRAGate | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.lora_gate = lora_gate  # None: no adapters served
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -69,14 +85,16 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if len(self.running) >= self.max_num_seqs or not self.kv_cache.allocate_slots(
-            request, request.num_prompt_tokens
-        ):
+        if len(self.running) >= self.max_num_seqs or not self._acquire_adapter(request):
+            return False
+        if not self.kv_cache.allocate_slots(request, request.num_prompt_tokens):
+            self._release_adapter(request)
             return False
         try:
             fill(self.kv_cache.block_ids(request.request_id))
         except BaseException:
             self.kv_cache.discard(request)  # allocation offered the blocks to the prefix cache: withdraw them
+            self._release_adapter(request)
             raise
         self.requests[request.request_id] = request
         self._order[request.request_id] = (request.arrival_time, self._next_seq)
@@ -149,18 +167,23 @@ class Scheduler:
             budget -= num_new + len(spec)
 
         # New work only when nothing had to be preempted: memory is tight otherwise.
-        while self.waiting and budget > 0 and not preempted_this_step and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        index = 0  # waiting requests before it wait for an adapter slot this step
+        while index < len(self.waiting) and budget > 0 and not preempted_this_step and self._has_seq_room():
+            request = self.waiting[index]
+            if not self._acquire_adapter(request):
+                index += 1  # its adapter has no device slot this step: it waits, the others go on
+                continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0 and not _needs_prompt_states(request):
                 hits, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
             num_new = request.num_tokens - request.num_computed_tokens - num_hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if (num_new > budget and not self.enable_chunked_prefill) or not self.kv_cache.allocate_slots(
+                request, min(num_new, budget), hits
+            ):
+                self._release_adapter(request)
                 break  # head-of-line waits: later requests never jump a request that does not fit
-            self.waiting.pop(0)
+            num_new = min(num_new, budget)
+            self.waiting.pop(index)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
                 request.num_cached_tokens = num_hit_tokens
@@ -250,8 +273,19 @@ class Scheduler:
         arrival, seq = self._order[request.request_id]
         return (-arrival, -seq)  # among equals, the latest arrival goes first
 
+    def _has_seq_room(self) -> bool:
+        return len(self.running) < self.max_num_seqs
+
+    def _acquire_adapter(self, request: Request) -> bool:
+        return request.lora_id is None or self.lora_gate is None or self.lora_gate.acquire(request)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora_id is not None and self.lora_gate is not None:
+            self.lora_gate.release(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_adapter(request)
         self.kv_cache.free(request, keep_hashes=True)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -260,6 +294,8 @@ class Scheduler:
         self._enqueue_waiting(request)
 
     def _retire(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:  # taken out of the running batch by the caller
+            self._release_adapter(request)
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]

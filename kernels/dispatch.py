@@ -181,3 +181,20 @@ def rms_norm(
     else:
         from .rms_norm import rms_norm_ref as impl
     return impl(x, weight, eps, residual)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sub_offsets: tuple[int, ...],
+    slots: torch.Tensor,
+    ranks: torch.Tensor,
+) -> None:
+    """Add multi-LoRA deltas to ``y`` in place (layout in ``kernels.lora_ref``; ``kernels.lora_shrink_expand``)."""
+    if x.is_cuda:
+        from .lora_shrink_expand import lora_apply as impl
+    else:
+        from .lora_ref import lora_apply_ref as impl
+    impl(y, x, a, b, sub_offsets, slots, ranks)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY
+from tidepool.operator.builders.lora import LORA_GATE
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.pod_problems import container_problems, download_started
 
@@ -87,6 +88,8 @@ class PodInfo:
     ip: str | None
     problems: tuple[tuple[str, str], ...]  # (reason, message): Unschedulable, ImagePullBackOff, ...
     downloading_since: str | None = None  # its model download runs, started then (RFC 3339)
+    is_serving: bool = False  # its containers are ready (it answers HTTP), whatever its readiness gates say
+    lora_gate: bool | None = None  # the LoRA readiness gate's condition (None: the pod has no such gate)
 
 
 def pod_info(obj: dict[str, Any]) -> PodInfo:
@@ -101,9 +104,12 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
     problems += container_problems(status)  # failed downloads, image pulls, crash loops
     group = next((labels[g] for g in GROUP_LABELS if g in labels), None)
     rank = next((labels[r] for r in RANK_LABELS if r in labels), "0") if group is not None else "0"
-    ready = status.get("phase") == "Running" and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conditions
-    )
+    running = status.get("phase") == "Running"
+    ready = running and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    gates = [g.get("conditionType") for g in (obj.get("spec") or {}).get("readinessGates") or []]
+    lora_gate = None
+    if LORA_GATE in gates:
+        lora_gate = any(c.get("type") == LORA_GATE and c.get("status") == "True" for c in conditions)
     return PodInfo(
         name=meta["name"],
         pool=labels.get(LABEL_POOL, "?"),
@@ -115,7 +121,13 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         ip=status.get("podIP"),
         problems=tuple(problems),
         downloading_since=download_started(status),
+        is_serving=running and _containers_ready(conditions) and not meta.get("deletionTimestamp"),
+        lora_gate=lora_gate,
     )
+
+
+def _containers_ready(conditions: list[dict[str, Any]]) -> bool:
+    return any(c.get("type") == "ContainersReady" and c.get("status") == "True" for c in conditions)
 
 
 def _newer(new_rv: str, old_rv: str) -> bool:

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel
 
 from tidepool.operator import api
+from tidepool.operator.api import lora_rules
 from tidepool.operator.api.rules import NAME_RULE_CEL, NAME_RULE_MESSAGE, SPEC_RULES
 
 CRD_FILENAME = f"{api.GROUP}_{api.PLURAL}.yaml"
@@ -181,7 +182,10 @@ def build_crd() -> dict[str, Any]:
             "spec": structural_schema(api.InferenceServiceSpec),
             "status": structural_schema(api.InferenceServiceStatus, with_factory_defaults=False),
         },
-        "x-kubernetes-validations": [{"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE}],
+        "x-kubernetes-validations": [
+            {"rule": NAME_RULE_CEL, "message": NAME_RULE_MESSAGE},
+            {"rule": lora_rules.ROOT_RULE_CEL, "message": lora_rules.ROOT_RULE_MESSAGE},
+        ],
     }
     version = {
         "name": api.VERSION,

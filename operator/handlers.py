@@ -33,6 +33,8 @@ from tidepool.operator.builders import ClusterFeatures
 from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.k8s import Credentials, KubeClient
 from tidepool.operator.leader import LeaderElector, LeaseConfig
+from tidepool.operator.lora.client import HttpReplicaApi
+from tidepool.operator.lora.sync import LoraSync
 from tidepool.operator.metrics import LEADER
 
 logger = logging.getLogger("tidepool.operator")
@@ -111,6 +113,7 @@ async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
     http = httpx.AsyncClient()
     pods_in = controller.store.pods_in
     autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
+    controller.services.lora = LoraSync(HttpReplicaApi(http), client, lambda key: controller.queue.add(key))
     elector = LeaderElector(client, options.lease) if options.lease else None
     if elector is not None:
         LEADER.labels(elector.config.name).set_function(lambda: float(elector.is_leader))

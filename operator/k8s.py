@@ -42,6 +42,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Secret": ("/api/v1", "secrets"),  # created only (a multi-node pool's control key), never read
     "Pod": ("/api/v1", "pods"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),

@@ -10,8 +10,11 @@ plan:    `plan()` (pure) compares the desired children with the observed ones fr
          shared, and released rather than deleted while others own it). An owned child no longer
          desired is pruned at once, except make-before-break: children of a pool being replaced
          (mode switch, a Deployment becoming StatefulSet groups or back) stay until every new pool
-         serves, and so does the router's update (`Plan.hold_router`).
-execute: `Plan.execute(client, store, versions, owner)` applies (server-side apply, one field manager
+         serves, and so does the router's update (`Plan.hold_router`). A multi-node pool's control-key
+         Secret is never compared nor applied: each full reconcile plans its creation (`Plan.create`).
+execute: `Plan.execute(client, store, versions, owner)` creates the control-key Secrets, each with a
+         fresh random key, keeping any that exists (AlreadyExists: the key never changes; nothing is read
+         back), then applies (server-side apply, one field manager
          `tidepool-operator`, force; config and RBAC before Services and workloads) and prunes; answers
          and deletions are written through to the cache and to the verified child versions.
          `Plan.prune_deferred(...)` deletes the make-before-break leftovers once the new pools serve.
@@ -22,6 +25,7 @@ No sleeps, no module-level state, no clock.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +42,13 @@ from tidepool.operator.builders import (
     Desired,
     desired_state,
 )
+from tidepool.operator.builders.control_key import KEY_BYTES, SECRET_KIND, with_key
 from tidepool.operator.cache import Store, compact
 from tidepool.operator.claims import claim_as_it_can_be, released_claim, shared_claim
 from tidepool.operator.k8s import ApiError, KubeClient
 
 QUANTITY_MAPS = ("requests", "limits")  # container resources, PVC storage: every value is a quantity
+TRANSIENT_STATUSES = (429, 500, 502, 503, 504)  # raised: the caller retries with backoff
 Event = tuple[str, str, str]  # (Normal|Warning, reason, message)
 
 
@@ -100,6 +106,7 @@ class Plan:
     """What one full reconcile changes, and the Events worth telling the user."""
 
     apply: list[dict[str, Any]] = field(default_factory=list)
+    create: list[dict[str, Any]] = field(default_factory=list)  # create once, keep if it exists (control keys)
     prune: list[dict[str, Any]] = field(default_factory=list)  # delete now
     deferred: list[dict[str, Any]] = field(default_factory=list)  # delete once the new pools serve
     events: list[Event] = field(default_factory=list)
@@ -120,10 +127,13 @@ class Plan:
     async def execute(
         self, client: KubeClient, store: Store, versions: dict[ChildKey, str], owner: tuple[str, str]
     ) -> tuple[dict[ChildKey, dict[str, Any]], str | None]:
-        """Apply, then prune what goes now. Answers and deletions are written through to `store`; `versions`
-        gets the version of each child applied that `owner` (name, uid) owns, and loses each pruned one.
-        Returns the answers and the first error the API server gave."""
+        """Create the control keys (before the pods that mount them), apply, then prune what goes now. Answers
+        and deletions are written through to `store`; `versions` gets the version of each child applied that
+        `owner` (name, uid) owns, and loses each pruned one. Returns the answers and the first error the API
+        server gave."""
+        create_error = await create_once(client, self.create)
         applied, error = await apply_all(client, self.apply)
+        error = create_error or error
         for child, obj in applied.items():
             store.put(obj)
             item = compact(obj)
@@ -155,6 +165,9 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
     wanted = {_key(d) for d in desired}
     created = []
     for obj in desired:
+        if obj["kind"] == SECRET_KIND:  # never watched nor read: created once, the key kept (create_once)
+            out.create.append(obj)
+            continue
         old = observed.get(_key(obj))
         if old is not None and obj["kind"] == "PersistentVolumeClaim":
             obj, kept = claim_as_it_can_be(shared_claim(obj, old), old)
@@ -223,7 +236,7 @@ async def apply_all(client: KubeClient, objs: Sequence[dict[str, Any]]) -> tuple
     for phase in ([o for o in objs if o["kind"] not in later], [o for o in objs if o["kind"] in later]):
         answers = await asyncio.gather(*(client.apply(o) for o in phase), return_exceptions=True)
         for obj, answer in zip(phase, answers, strict=True):
-            if isinstance(answer, ApiError) and answer.status not in (429, 500, 502, 503, 504):
+            if isinstance(answer, ApiError) and answer.status not in TRANSIENT_STATUSES:
                 error = error or f"applying {obj['kind']} {obj['metadata']['name']}: {answer.message}"
             elif isinstance(answer, BaseException):
                 raise answer  # transient: the caller retries with backoff
@@ -231,3 +244,20 @@ async def apply_all(client: KubeClient, objs: Sequence[dict[str, Any]]) -> tuple
                 answer["kind"] = obj["kind"]
                 results[_key(obj)] = answer
     return results, error
+
+
+async def create_once(client: KubeClient, objs: Sequence[dict[str, Any]]) -> str | None:
+    """Create each Secret with a fresh random key (drawn here, never by the builders); one that exists is kept as
+    it is (409 AlreadyExists), so a key never changes under the ranks that read it. Returns the first error the
+    API server gave; a transient one raises (the caller retries with backoff)."""
+    keyed = [with_key(obj, secrets.token_urlsafe(KEY_BYTES)) for obj in objs]
+    answers = await asyncio.gather(*(client.create(obj) for obj in keyed), return_exceptions=True)
+    error = None
+    for obj, answer in zip(objs, answers, strict=True):
+        if isinstance(answer, ApiError) and answer.status == 409:
+            continue
+        if isinstance(answer, ApiError) and answer.status not in TRANSIENT_STATUSES:
+            error = error or f"creating {obj['kind']} {obj['metadata']['name']}: {answer.message}"
+        elif isinstance(answer, BaseException):
+            raise answer
+    return error

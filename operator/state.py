@@ -15,6 +15,7 @@ from typing import Any
 
 from tidepool.operator.autoscaler.handlers import AutoscaleState
 from tidepool.operator.builders import ChildKey, Desired
+from tidepool.operator.lora.sync import LoraState
 
 
 @dataclass(slots=True)
@@ -41,3 +42,4 @@ class ServiceState:
     status_written_at: float | None = None  # when status was last written (the controller's clock)
     claims_kept: set[str] = field(default_factory=set)  # the ClaimKept messages already told
     autoscale: AutoscaleState = field(default_factory=AutoscaleState)
+    lora: LoraState = field(default_factory=LoraState)  # adapter loads per pod (operator/lora/sync.py)

@@ -14,7 +14,9 @@ Conditions (what `kubectl wait` and Argo CD read):
   names the pods whose model download runs and since when.
 - Degraded=True when the API refused a child, a workload controller failed, or pods cannot run
   (a failed model download: reason ModelDownloadFailed, also Ready's reason, with the download's own
-  one-line cause, e.g. "pod P: model download failed: 401 ... Secret hf-token key HF_TOKEN ...").
+  one-line cause, e.g. "pod P: model download failed: 401 ... Secret hf-token key HF_TOKEN ..."), or a
+  declared LoRA adapter failed to load (reason AdapterLoadFailed, with the engine's reason; it does not
+  touch Ready or Progressing: the service serves the base model and its other adapters).
 - ScalingLimited=True when pods cannot be scheduled or the autoscaler hit a bound.
 `status.observedGeneration` moves to G only once G's children are applied. A condition's
 lastTransitionTime moves only when its status does.
@@ -43,6 +45,7 @@ class Outcome:
     scaling_limit: tuple[str, str] | None = None  # (reason, message) from the autoscaler
     pod_problems: list[PodProblem] = field(default_factory=list)
     downloading: list[str] = field(default_factory=list)  # "pod P (since T)" of model downloads under way
+    adapter_failures: list[str] = field(default_factory=list)  # declared LoRA adapters that failed to load
 
     @property
     def capacity(self) -> list[PodProblem]:
@@ -123,6 +126,8 @@ def _degraded(members: Sequence[PoolObservation], outcome: Outcome) -> Verdict:
         failed = any(m.failure for m in members)
         reason = "WorkloadFailure" if failed else (first_download or broken[0]).reason
         return True, reason, "; ".join(messages)[:4000], None
+    if outcome.adapter_failures:  # the service serves the base model and the other adapters meanwhile
+        return True, "AdapterLoadFailed", "; ".join(outcome.adapter_failures)[:4000], None
     return False, "AsExpected", "", None
 
 

@@ -16,7 +16,7 @@ from tidepool.operator.api import KIND, InferenceServiceStatus
 from tidepool.operator.k8s import ApiError, KubeClient
 
 # The status fields reconcile owns; `autoscaling` belongs to the autoscaler and is never written here.
-OWNED_STATUS_KEYS = ("observedGeneration", "conditions", "pools", "replicas", "selector", "url")
+OWNED_STATUS_KEYS = ("observedGeneration", "conditions", "pools", "replicas", "selector", "url", "lora")
 
 
 def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatus) -> dict[str, Any] | None:
@@ -30,7 +30,7 @@ def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatu
     for pool in old.get("pools", {}):
         if pool not in new.get("pools", {}):
             patch.setdefault("pools", {})[pool] = None
-    for key in ("replicas", "selector", "url"):
+    for key in ("replicas", "selector", "url", "lora"):
         if key in old and key not in new:
             patch[key] = None
     return patch
@@ -38,12 +38,14 @@ def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatu
 
 def is_routine(previous: InferenceServiceStatus, status: InferenceServiceStatus) -> bool:
     """True when only counts and condition messages differ: the same observedGeneration, URL, selector
-    and pools, and every condition with the same status, reason and observedGeneration. Such a change
+    and pools, every condition with the same status, reason and observedGeneration, and every LoRA adapter
+    in the same state per pool. Such a change
     may wait a moment (it is paced); anything else is a transition and is written at once."""
 
     def shape(s: InferenceServiceStatus) -> tuple[Any, ...]:
         conditions = sorted((c.type, c.status, c.reason, c.observed_generation) for c in s.conditions)
-        return s.observed_generation, s.url, s.selector, sorted(s.pools), conditions
+        adapters = [(a.name, a.state, [(p.pool, p.state) for p in a.pools]) for a in s.lora or []]
+        return s.observed_generation, s.url, s.selector, sorted(s.pools), conditions, adapters
 
     return shape(previous) == shape(status)
 

@@ -8,7 +8,8 @@
    nothing else happens; the view is what the autoscaler and the builders read;
 3. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`); with
    the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once;
-4. reconcile, as a short list of steps (`_reconcile`). Fast path: when the generation, the
+4. reconcile, as a short list of steps (`_reconcile`), the LoRA step among them (operator/lora/sync.py:
+   declared adapters onto serving replicas, status.lora). Fast path: when the generation, the
    autoscaler's replicas and the cluster features are those last verified and every child's version
    (generation for workloads, resourceVersion otherwise) is one already verified to match the spec,
    nothing is built or compared: only status is recomputed from cached workloads and pods. Otherwise
@@ -49,6 +50,7 @@ from tidepool.operator.events import EventRecorder
 from tidepool.operator.features import refused_optional
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.legacy import LEGACY_FINALIZER, drop_legacy_finalizer
+from tidepool.operator.lora.sync import LoraOutcome, LoraSync
 from tidepool.operator.metrics import STATUS_DEFERRED, STATUS_WRITES
 from tidepool.operator.observe import downloads_in_progress, observe, observe_pool, old_pools, pod_problems
 from tidepool.operator.reconcile import Event, Plan, desire, plan, pruned_event
@@ -110,6 +112,7 @@ class ServiceSync:
         self._clock = clock
         self.features = options.features  # the controller updates them when optional CRDs come or go
         self.autoscaler: Autoscaler | None = None
+        self.lora: LoraSync | None = None  # the LoRA step; None: adapters are not managed (tests of other parts)
         self.states: dict[Key, ServiceState] = {}
         self.recheck_features = asyncio.Event()  # set when an optional kind's apply failed
         self.num_syncs = 0
@@ -132,6 +135,7 @@ class ServiceSync:
         state = self.states.pop(key, None)
         if state is not None:
             state.autoscale.reset()
+            state.lora.cancel()
 
     def _wake(self, key: Key, state: ServiceState, delay_s: float) -> None:
         """Sync `key` again in `delay_s`: one timer per key (syncs triggered by events must not add more).
@@ -205,7 +209,8 @@ class ServiceSync:
             done = await self._carry_out(key, body, view, replicas, children, pods, versions, state)
             if done is None:  # the builders refused the spec: status says why
                 return
-        status = await self._settle(key, done, previous, pods, scaling_limit, generation)
+        lora = await self._lora(key, view, pods, state)
+        status = await self._settle(key, done, previous, pods, scaling_limit, generation, lora)
         self._remember(state, fingerprint, done, is_full=verified is None)
         await self._write(key, body, state, previous, status)
         for type_, reason, message in done.events:
@@ -252,6 +257,7 @@ class ServiceSync:
         pods: list[PodInfo],
         scaling_limit: tuple[str, str] | None,
         generation: int,
+        lora: LoraOutcome,
     ) -> InferenceServiceStatus:
         """Observe the pools, prune what make-before-break kept once the new pools serve, and compute status."""
         pools, router = observe(done.desired, done.workloads, pods)
@@ -264,6 +270,7 @@ class ServiceSync:
         old = old_pools(done.plan.deferred, done.desired)
         replaced = [observe_pool(layout, done.workloads, pods) for layout in old]
         outcome = Outcome(apply_error=done.error, applied=done.error is None, scaling_limit=scaling_limit)
+        outcome.adapter_failures = lora.failures
         if not all(m.is_complete for m in members):
             outcome.pod_problems = pod_problems(pods)
             outcome.downloading = downloads_in_progress(pods)
@@ -272,9 +279,20 @@ class ServiceSync:
             if degraded is None or degraded.message != done.error:
                 done.events.append(("Warning", "ApplyFailed", done.error))
         d = done.desired
-        return build_status(
+        status = build_status(
             previous, generation, pools, router, outcome, d.url, d.selector, d.scaled_pool, now_rfc3339(), replaced
         )
+        status.lora = lora.status
+        return status
+
+    async def _lora(self, key: Key, view: ServiceView, pods: list[PodInfo], state: ServiceState) -> LoraOutcome:
+        """The LoRA step (operator/lora/sync.py): adapters onto serving replicas; a failed load's retry timer."""
+        if self.lora is None:
+            return LoraOutcome(None, [], None)
+        outcome = await self.lora.step(key, view, pods, state.lora)
+        if outcome.wake_s is not None:
+            self._wake(key, state, outcome.wake_s)
+        return outcome
 
     def _remember(self, state: ServiceState, fingerprint: tuple[Any, ...], done: Pass, is_full: bool) -> None:
         """What this reconcile established: the fast path's evidence (none after an error) and, after a full

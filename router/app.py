@@ -1,8 +1,9 @@
 """The router's FastAPI app: OpenAI-compatible routes in front of engine pools, and its background tasks.
 
 Routes: `POST /v1/completions`, `/v1/chat/completions` and vLLM's `/tokenize` and
-`/detokenize` (proxied, see `proxy`), `GET /v1/models` (from a ready replica of the serving
-pool, held like a request), `/health` (the router process is alive), `/ready` (200 as soon as
+`/detokenize` (proxied, see `proxy`), `GET /v1/models` (the union of the ready replicas of the
+serving pool, so every LoRA adapter of the pool is listed once; held like a request while none is
+ready), `/health` (the router process is alive), `/ready` (200 as soon as
 the router runs, even at zero replicas: it must take requests in to hold them, which is what
 makes the pool scale up from zero), `/metrics` (the router's own metrics), `/debug/replicas`
 (pool states, JSON).
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .discovery import KubernetesDiscovery, StaticDiscovery
 from .health import HealthChecker
+from .lora import merge_model_lists
 from .metrics import RouterMetrics
 from .policy import HotThresholds, make_policy
 from .pool import Endpoint, NoReplicaError, Pool
@@ -158,6 +160,7 @@ def _add_probe_routes(app: FastAPI, state: RouterState) -> None:
                     "waiting": r.num_waiting,
                     "running": r.num_running,
                     "kv_usage": r.kv_usage,
+                    "adapters": None if r.models is None else sorted(r.models.adapters),
                 }
                 for r in pool.replicas.values()
             ]
@@ -166,7 +169,8 @@ def _add_probe_routes(app: FastAPI, state: RouterState) -> None:
 
 
 def _add_models_route(app: FastAPI, state: RouterState) -> None:
-    """`GET /v1/models`, answered by a ready replica of the serving pool, held like a request."""
+    """`GET /v1/models`: the first ready replica's answer (held like a request), with the other ready replicas' models
+    (LoRA adapters held by some replicas only) added; a replica that fails to answer only leaves its own out."""
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -177,15 +181,31 @@ def _add_models_route(app: FastAPI, state: RouterState) -> None:
             replica, _ = await pool.acquire(None, deadline)
         except NoReplicaError as err:
             return error_response(503, f"{err}; retry later", "service_unavailable", "no_ready_replica")
+        client = state.proxy.client
+        others = [r for r in pool.ready() if r is not replica]
         try:
-            upstream = await state.proxy.client.get(f"{replica.url}/v1/models")
+            upstream, *extra = await asyncio.gather(
+                client.get(f"{replica.url}/v1/models"), *(_model_list(client, r.url) for r in others)
+            )
         except httpx.HTTPError as err:
             return error_response(502, f"{replica.label}: {err!r}", "bad_gateway", "upstream_failed")
         finally:
             pool.release(replica)
-        return Response(
-            upstream.content, upstream.status_code, {REPLICA_HEADER: replica.label}, media_type="application/json"
-        )
+        content = upstream.content
+        if upstream.status_code == 200 and extra:
+            with contextlib.suppress(ValueError):
+                merged = merge_model_lists([upstream.json(), *extra])
+                content = content if merged is None else json.dumps(merged).encode()
+        return Response(content, upstream.status_code, {REPLICA_HEADER: replica.label}, media_type="application/json")
+
+
+async def _model_list(client: httpx.AsyncClient, url: str) -> Any:
+    """A replica's `/v1/models` JSON, or None when it does not answer one."""
+    try:
+        response = await client.get(f"{url}/v1/models")
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def _add_proxied_routes(app: FastAPI, state: RouterState) -> None:

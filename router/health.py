@@ -3,9 +3,11 @@
 A probe is: GET `/ready` (200 → ready; any other status → unready, e.g. loading or
 draining) then, when ready, GET `/metrics` for `vllm:num_requests_waiting`,
 `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (summed over label sets; a
-replica serves one model). A transport error is a failure (a refused connection ejects the
-replica at once, see `Pool.record_failure`). New replicas are probed as soon as discovery
-reports them (`probe_now`), so a request held at zero is released without waiting a period.
+replica serves one model), then GET `/v1/models` for the adapters it holds (LoRA affinity, see
+`lora`; an answer that is not a model list leaves them unknown). A transport error is a failure
+(a refused connection ejects the replica at once, see `Pool.record_failure`). New replicas are
+probed as soon as discovery reports them (`probe_now`), so a request held at zero is released
+without waiting a period.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import httpx
 
 from tidepool.contract.metrics_names import KV_CACHE_USAGE_PERC, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
 
+from .lora import ReplicaModels, parse_models
 from .pool import Pool, Replica
 
 logger = logging.getLogger(__name__)
@@ -72,13 +75,24 @@ class HealthChecker:
                 pool.mark_unready(url, f"/ready answered {ready.status_code}")
                 return
             metrics = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
+            models = await self.client.get(f"{url}/v1/models", timeout=self.timeout_s)
         except httpx.ConnectError as err:
             pool.record_failure(url, f"probe: {err!r}", is_fatal=True)
             return
         except httpx.HTTPError as err:
             pool.record_failure(url, f"probe: {err!r}")
             return
+        pool.set_models(url, _models_of(models))
         gauges = parse_gauges(metrics.text, (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC))
         pool.mark_ready(
             url, int(gauges[NUM_REQUESTS_WAITING]), int(gauges[NUM_REQUESTS_RUNNING]), gauges[KV_CACHE_USAGE_PERC]
         )
+
+
+def _models_of(response: httpx.Response) -> ReplicaModels | None:
+    if response.status_code != 200:
+        return None
+    try:
+        return parse_models(response.json())
+    except ValueError:
+        return None

@@ -16,6 +16,8 @@ from prometheus_client.registry import Collector
 from tidepool.contract.router_metrics_names import (
     CODE_LABEL,
     HELD_REQUESTS,
+    LORA_AFFINITY_HITS,
+    LORA_AFFINITY_MISSES,
     POOL_LABEL,
     PREFIX_FALLBACKS,
     REPLICA_LABEL,
@@ -60,6 +62,18 @@ class RouterMetrics:
         self.prefix_fallbacks = Counter(
             PREFIX_FALLBACKS,
             "Prefix-aware choices overridden because the target was hot",
+            [POOL_LABEL],
+            registry=self.registry,
+        )
+        self.lora_affinity_hits = Counter(
+            LORA_AFFINITY_HITS,
+            "Adapter requests sent to a replica holding the adapter",
+            [POOL_LABEL],
+            registry=self.registry,
+        )
+        self.lora_affinity_misses = Counter(
+            LORA_AFFINITY_MISSES,
+            "Adapter requests sent by load because no ready replica held the adapter",
             [POOL_LABEL],
             registry=self.registry,
         )

@@ -22,7 +22,7 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 POLICIES = ("prefix-aware", "least-load", "round-robin")
 
@@ -46,6 +46,7 @@ class ReplicaLoad:
 class Choice:
     replica_id: str
     reason: str  # "round_robin", "least_load", "prefix" or "prefix_fallback"
+    affinity: Literal["hit", "miss"] | None = None  # adapter requests: a replica holding it, or none did (`lora`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,16 +118,21 @@ class HashRing:
 
 
 class PrefixAwarePolicy:
+    MAX_RINGS = 16  # rings kept: the ready set, plus the holders of each adapter in use (see `lora`)
+
     def __init__(self, thresholds: HotThresholds | None = None, num_virtual_nodes: int = 160) -> None:
         self.thresholds = thresholds or HotThresholds()
         self.num_virtual_nodes = num_virtual_nodes
-        self._ring: HashRing | None = None
+        self._rings: dict[frozenset[str], HashRing] = {}
 
     def ring(self, replica_ids: Sequence[str]) -> HashRing:
-        # Rebuilt only when the ready set changes; consistent hashing keeps the other keys in place.
-        if self._ring is None or self._ring.replica_ids != frozenset(replica_ids):
-            self._ring = HashRing(replica_ids, self.num_virtual_nodes)
-        return self._ring
+        # Built once per replica set; consistent hashing keeps the other keys in place when the set changes.
+        ids = frozenset(replica_ids)
+        ring = self._rings.pop(ids, None) or HashRing(replica_ids, self.num_virtual_nodes)
+        self._rings[ids] = ring  # most recently used last
+        if len(self._rings) > self.MAX_RINGS:
+            del self._rings[next(iter(self._rings))]
+        return ring
 
     def choose(self, replicas: Sequence[ReplicaLoad], key: bytes | None) -> Choice:
         least = least_loaded(replicas)

@@ -6,6 +6,10 @@ answers otherwise (loading, draining), and `ejected` after `max_failures` consec
 failures (probe or proxied request; a refused connection ejects at once). An ejected replica
 is readmitted by a successful probe no sooner than `eject_s` after its ejection.
 
+LoRA affinity: `set_models` records what a replica's `/v1/models` lists (see `lora`); `acquire`
+given the request's `model` chooses among the ready replicas holding that adapter when there are
+any (an affinity hit), else among all by load (a miss); base-model requests are routed as before.
+
 Holding: `acquire` waits (asyncio, no polling) while the pool has no ready replica, counting
 the waiter in `num_held` (exported as `tidepool_router_held_requests`), until a replica is
 ready or the hold deadline passes.
@@ -21,9 +25,11 @@ import enum
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from .policy import Choice, Policy, ReplicaLoad
+from .lora import ReplicaModels, adapter_holders
+from .policy import Choice, Policy, ReplicaLoad, least_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class Replica:
     num_dispatched: int = 0
     num_failures: int = 0  # consecutive failures
     ejected_at: float | None = None
+    models: ReplicaModels | None = None  # from its last /v1/models (None: unknown)
 
     @property
     def url(self) -> str:
@@ -138,6 +145,11 @@ class Pool:
             replica.state = ReplicaState.EJECTED
             replica.ejected_at = time.monotonic()
 
+    def set_models(self, url: str, models: ReplicaModels | None) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None:
+            replica.models = models
+
     def record_success(self, url: str) -> None:
         replica = self.replicas.get(url)
         if replica is not None:
@@ -153,10 +165,26 @@ class Pool:
             counts[replica.state] += 1
         return counts
 
+    def choose(self, candidates: list[Replica], key: bytes | None, policy: Policy, model: Any = None) -> Choice:
+        """The policy's choice among `candidates`, narrowed to the holders of adapter `model` when any holds it."""
+        holders = adapter_holders(model, {r.url: r.models for r in self.replicas.values()})
+        if holders is None:
+            return policy.choose([r.load() for r in candidates], key)
+        held = [r for r in candidates if r.url in holders]
+        if held:
+            return replace(policy.choose([r.load() for r in held], key), affinity="hit")
+        return Choice(least_loaded([r.load() for r in candidates]).replica_id, "least_load", "miss")
+
     async def acquire(
-        self, key: bytes | None, deadline: float, exclude: frozenset[str] = frozenset(), policy: Policy | None = None
+        self,
+        key: bytes | None,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        policy: Policy | None = None,
+        model: Any = None,
     ) -> tuple[Replica, Choice]:
-        """A ready replica not in `exclude` (counted in flight), holding while the pool has none ready.
+        """A ready replica not in `exclude` (counted in flight), holding while the pool has none ready;
+        `model` is the request's (an adapter name gets LoRA affinity, see `choose`).
 
         Raises NoReplicaError when the deadline (time.monotonic()) passes with no ready replica,
         or at once when every ready replica is in `exclude`.
@@ -167,7 +195,7 @@ class Pool:
                 ready = self.ready()
                 candidates = [r for r in ready if r.url not in exclude]
                 if candidates:
-                    choice = (policy or self.policy).choose([r.load() for r in candidates], key)
+                    choice = self.choose(candidates, key, policy or self.policy, model)
                     replica = self.replicas[choice.replica_id]
                     replica.num_inflight += 1
                     replica.num_dispatched += 1

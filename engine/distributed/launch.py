@@ -5,6 +5,10 @@
 Workers are started with multiprocessing's `spawn` (a fresh interpreter: no forked torch or
 CUDA state). A script that builds `LLM(..., tensor_parallel_size=N)` at import time therefore
 needs the usual `if __name__ == "__main__":` guard, as with any spawn-based library.
+
+The control channel's key (`comm.control_key`) is read once per node, before any rank starts: a
+worker node without $TIDEPOOL_CONTROL_KEY_FILE fails at once with a message saying so (after
+binding its health port, so a taken port is still the first error reported).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from types import FrameType
 from typing import Any
 
 from ..engine_config import EngineConfig, resolve_model
+from .comm import control_key
 from .health import NodeHealth, serve_health
 from .parallel_state import DEFAULT_MASTER_PORT, ParallelConfig
 from .worker import WorkerArgs, worker_main
@@ -42,11 +47,13 @@ def spawn_workers(
     node_rank: int,
     master_addr: str,
     master_port: int,
+    control_key: bytes,
     skip_rank: int = 0,
     ready_flags: Mapping[int, Any] | None = None,
 ) -> dict[int, BaseProcess]:
     """Start this node's ranks except `skip_rank`, which runs in the calling process (rank 0: the driver).
 
+    `control_key` (`comm.control_key`) reaches each rank in its spawn arguments, a local pipe: never the network.
     `ready_flags` (rank -> a multiprocessing Event of the spawn context): set by each rank once loaded.
     """
     context = multiprocessing.get_context("spawn")
@@ -56,7 +63,7 @@ def spawn_workers(
         if rank == skip_rank:
             continue
         ready = (ready_flags or {}).get(rank)
-        args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port, ready)
+        args = WorkerArgs(rank, rank - ranks.start, parallel, config, master_addr, master_port, ready, control_key)
         proc = context.Process(target=worker_main, args=(args,), name=f"tidepool-rank{rank}", daemon=True)
         proc.start()
         procs[rank] = proc
@@ -105,13 +112,14 @@ def run_worker_node(
 
     previous = signal.signal(signal.SIGTERM, on_signal)
     try:
+        key = control_key(parallel.nnodes)  # the same key file as the driver's, on every node
         # The node's first rank runs in this process (one torch start-up fewer); the others are spawned.
-        procs.update(spawn_workers(config, parallel, node_rank, parallel.master_addr, port, first, ready))
+        procs.update(spawn_workers(config, parallel, node_rank, parallel.master_addr, port, key, first, ready))
         logger.info(
             "node %d: ranks %s, driver at %s:%d",
             node_rank, [first, *procs], parallel.master_addr, port,
         )  # fmt: skip
-        args = WorkerArgs(first, 0, parallel, config, parallel.master_addr, port, ready[first])
+        args = WorkerArgs(first, 0, parallel, config, parallel.master_addr, port, ready[first], key)
         worker_main(args, in_process=True)
         health.stop("the group shut down (the driver closed the control channel)")
         for proc in procs.values():

@@ -164,8 +164,10 @@ class StageModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Run this stage over the step; the last stage returns final-norm hidden states [tokens, hidden]."""
+        """Run this stage over the step; the last stage returns final-norm hidden states [tokens, hidden].
+        `lora_slots`: each token's LoRA slot (int32, -1: base model), only for a step with adapter tokens."""
         info = self.info
         dtype = self.config.torch_dtype
         outputs: list[torch.Tensor] = []
@@ -182,8 +184,9 @@ class StageModel(nn.Module):
                 dist.recv(buf, info.prev_rank)
                 x, residual = buf[0], buf[1]
             cos_sin = self.rotary.cos_sin(positions[mb.token_start : mb.token_stop], x.dtype)
+            mb_slots = None if lora_slots is None else lora_slots[mb.token_start : mb.token_stop]
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, cos_sin, kv_cache, mb.meta)
+                x, residual = layer(x, residual, cos_sin, kv_cache, mb.meta, mb_slots)
             if info.is_last_stage:
                 outputs.append(self.norm(x, residual)[0])
             else:

@@ -78,6 +78,45 @@ def _all_reduce_hook(group: dist.ProcessGroup | None) -> Callable[[nn.Module, tu
     return hook
 
 
+@dataclass(slots=True, frozen=True)
+class TPShard:
+    """What TP rank `tp_rank` of `tp` keeps of one decoder layer, in each projection's own output features.
+
+    `q`: rows of q_proj (= columns of o_proj's input); `kv`: rows of k_proj and of v_proj (a split, or the
+    replica of the one kv head this rank's q heads read); `inter`: rows of gate_proj and of up_proj
+    (= columns of down_proj's input). The one source of the shard arithmetic: the base weights
+    (`shard_layer`) and the LoRA adapters (`distributed/lora_tp.py`) are both cut with it.
+    """
+
+    q: slice
+    kv: slice
+    inter: slice
+
+    @classmethod
+    def of(
+        cls, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, tp: int, tp_rank: int
+    ) -> TPShard:
+        local_heads = num_heads // tp
+        kv_range = _kv_head_range(num_kv_heads, tp, tp_rank)
+        local_inter = intermediate_size // tp
+        return cls(
+            slice(tp_rank * local_heads * head_dim, (tp_rank + 1) * local_heads * head_dim),
+            slice(kv_range.start * head_dim, kv_range.stop * head_dim),
+            slice(tp_rank * local_inter, (tp_rank + 1) * local_inter),
+        )
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, tp: int, tp_rank: int) -> TPShard:
+        return cls.of(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.intermediate_size,
+            tp, tp_rank,
+        )  # fmt: skip
+
+
+def _offset(rows: slice, start: int) -> slice:
+    return slice(start + rows.start, start + rows.stop)
+
+
 def shard_layer(layer: nn.Module, tp: int, tp_rank: int, group: dist.ProcessGroup | None) -> None:
     """Slice one LlamaDecoderLayer's attention and MLP to TP rank `tp_rank` of `tp`, in place."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -88,35 +127,29 @@ def shard_layer(layer: nn.Module, tp: int, tp_rank: int, group: dist.ProcessGrou
             "tensor parallelism needs the plain (unquantized) Llama layers; "
             "this model's layers were swapped (quantized?): run it with tensor_parallel_size=1"
         )
-    head_dim = attn.head_dim
-    heads, kv_heads = attn.num_heads, attn.num_kv_heads
-    local_heads = heads // tp
-    kv_range = _kv_head_range(kv_heads, tp, tp_rank)
-    q0 = tp_rank * local_heads * head_dim
-    q_rows = slice(q0, q0 + local_heads * head_dim)
-    k_rows = slice(attn.q_size + kv_range.start * head_dim, attn.q_size + kv_range.stop * head_dim)
-    v_off = attn.q_size + attn.kv_size
-    v_rows = slice(v_off + kv_range.start * head_dim, v_off + kv_range.stop * head_dim)
+    shard = TPShard.of(attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size, tp, tp_rank)
+    q_rows = shard.q
+    k_rows = _offset(shard.kv, attn.q_size)
+    v_rows = _offset(shard.kv, attn.q_size + attn.kv_size)
     attn.qkv_weight = _keep(attn.qkv_weight.data, [q_rows, k_rows, v_rows])
     if attn.qkv_bias is not None:
         attn.qkv_bias = _keep(attn.qkv_bias.data, [q_rows, k_rows, v_rows])
     attn.o_weight = _keep(attn.o_weight.data, [q_rows], dim=1)
     if attn.o_bias is not None and tp_rank != 0:
         attn.o_bias = None
-    attn.num_heads, attn.num_kv_heads = local_heads, len(kv_range)
-    attn.q_size, attn.kv_size = local_heads * head_dim, len(kv_range) * head_dim
+    local_kv = (shard.kv.stop - shard.kv.start) // attn.head_dim
+    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, local_kv
+    attn.q_size, attn.kv_size = q_rows.stop - q_rows.start, shard.kv.stop - shard.kv.start
 
-    inter = mlp.intermediate_size
-    local_inter = inter // tp
-    gate = slice(tp_rank * local_inter, (tp_rank + 1) * local_inter)
-    up = slice(inter + gate.start, inter + gate.stop)
+    gate = shard.inter
+    up = _offset(gate, mlp.intermediate_size)
     mlp.gate_up_weight = _keep(mlp.gate_up_weight.data, [gate, up])
     if mlp.gate_up_bias is not None:
         mlp.gate_up_bias = _keep(mlp.gate_up_bias.data, [gate, up])
     mlp.down_weight = _keep(mlp.down_weight.data, [gate], dim=1)
     if mlp.down_bias is not None and tp_rank != 0:
         mlp.down_bias = None
-    mlp.intermediate_size = local_inter
+    mlp.intermediate_size = gate.stop - gate.start
 
     attn.register_forward_hook(_all_reduce_hook(group))
     mlp.register_forward_hook(_all_reduce_hook(group))

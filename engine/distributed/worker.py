@@ -1,15 +1,18 @@
 """Worker ranks: a process that loads its model shard and runs what the driver tells it to.
 
-Start-up: read the control address from the driver's TCPStore, connect and say hello, join
+Start-up: read the control address from the driver's TCPStore, connect (proving both sides hold
+the control key, which comes in `WorkerArgs`, never from the store) and say hello, join
 the torch.distributed group, load the model on the CPU, keep this rank's stage/shard
-(`load_stage`), move it to the rank's device and report ready. Then loop on commands:
+(`load_stage`), move it to the rank's device and report ready. Then loop on commands, typed
+messages of `contract/wire.py` (no pickle):
 
-- ("init_kv", num_blocks): allocate this rank's KV cache (its layers, its kv heads).
-- ("forward", input_ids, positions, meta, scratch_shape, scratch_blocks): run the stage; the
-  last stage's TP rank 0 sends the final hidden states to the driver unless the driver is on
-  the last stage itself (pp == 1).
-- ("logits", hidden_rows): last-stage ranks send their vocabulary shard of the logits to rank 0.
-- ("shutdown",): leave the group and exit 0.
+- INIT_KV(num_blocks): allocate this rank's KV cache (its layers, its kv heads).
+- FORWARD(input_ids, positions, meta, scratch_shape, scratch_blocks, lora_slots): run the stage
+  (with each token's LoRA slot when the step has adapter tokens); the last stage's TP rank 0
+  sends the final hidden states to the driver unless the driver is on the last stage itself (pp == 1).
+- LORA_SLOT(slot, modules...): fill or clear this rank's shard of a LoRA slot (`lora_tp`).
+- LOGITS(hidden): last-stage ranks send their vocabulary shard of the logits to rank 0.
+- SHUTDOWN: leave the group and exit 0.
 
 A worker never outlives its group: the control socket closing (the driver exited or was
 killed) ends the loop, a failed collective raises, and a watchdog exits when the process that
@@ -36,11 +39,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tidepool.contract.wire import MessageType
+
 from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
 from ..loading.formats import read_model_config
 from ..loading.loader import load_model
 from . import comm
+from .lora_tp import apply_slot_message, attach_rank_slots
 from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
 from .tp import check_tp, local_kv_heads
@@ -48,6 +54,7 @@ from .tp import check_tp, local_kv_heads
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 1.0
+_COMMANDS = (MessageType.FORWARD, MessageType.LOGITS, MessageType.INIT_KV, MessageType.LORA_SLOT, MessageType.SHUTDOWN)
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +67,8 @@ class WorkerArgs:
     master_port: int
     # Set once this rank has loaded and joined the driver (a worker node's health endpoint reads it).
     ready: Any = None
+    # The control channel's key (comm.control_key), handed over in the spawn arguments, never via the store.
+    control_key: bytes = dataclasses.field(default=b"", repr=False)
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -134,15 +143,15 @@ class _Worker:
     def report_error(self, text: str) -> None:
         if self.conn is not None:
             with contextlib.suppress(OSError):  # the driver may be gone already
-                comm.send(self.conn, ("error", self.args.rank, text))
+                comm.send(self.conn, MessageType.ERROR, rank=self.args.rank, text=text)
 
     def run(self) -> None:
         args, info = self.args, self.info
         timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
         store = dist.TCPStore(args.master_addr, args.master_port, info.tp_size * info.pp_size, False, timeout)
         address = store.get(comm.STORE_KEY_ADDRESS).decode()
-        self.conn = comm.connect(address, store.get(comm.STORE_KEY_SECRET), JOIN_TIMEOUT_S)
-        comm.send(self.conn, ("hello", args.rank, os.getpid(), socket.gethostname()))
+        self.conn = comm.connect(address, args.control_key, JOIN_TIMEOUT_S)
+        comm.send(self.conn, MessageType.HELLO, rank=args.rank, pid=os.getpid(), host=socket.gethostname())
         config = args.engine
         rc = resolve(config, read_model_config(config.model))
         self.device = rank_device(rc.device, args.local_rank)
@@ -150,11 +159,12 @@ class _Worker:
             torch.cuda.set_device(self.device)
         tp_group = init_groups(store, info, self.device)
         self.stage, self.model_config = load_stage(config, rc, info, tp_group, self.device)
+        self.lora_slots = attach_rank_slots(config, self.model_config, self.stage, rc.dtype, self.device)
         logger.info(
             "rank %d ready: stage %d (%d layers), tp rank %d, %s",
             info.rank, info.pp_rank, self.stage.num_local_layers, info.tp_rank, self.device,
         )  # fmt: skip
-        comm.send(self.conn, ("ready", args.rank))
+        comm.send(self.conn, MessageType.READY, rank=args.rank)
         if args.ready is not None:
             args.ready.set()
         self._loop()
@@ -165,22 +175,24 @@ class _Worker:
         conn = self.conn
         while conn is not None:
             try:
-                command = comm.recv(conn)
+                command = comm.recv(conn, *_COMMANDS)  # WireError (a garbled frame) fails this worker
             except (EOFError, OSError):
                 logger.info("rank %d: the driver closed the control channel; exiting", self.info.rank)
                 return
-            kind = command[0]
-            if kind == "forward":
-                self._forward(*command[1:])
-            elif kind == "logits":
-                shard = self.stage.shard_logits(command[1].to(self.device))
+            kind, fields = command.type, command.fields
+            if kind == MessageType.FORWARD:
+                self._forward(**fields)
+            elif kind == MessageType.LOGITS:
+                shard = self.stage.shard_logits(fields["hidden"].to(self.device))
                 dist.send(shard.contiguous(), 0)
-            elif kind == "init_kv":
-                self._init_kv(command[1])
-            elif kind == "shutdown":
+            elif kind == MessageType.INIT_KV:
+                self._init_kv(fields["num_blocks"])
+            elif kind == MessageType.LORA_SLOT:
+                if self.lora_slots is None:
+                    raise RuntimeError("LORA_SLOT for a worker started without enable_lora")
+                apply_slot_message(self.lora_slots, fields)
+            elif kind == MessageType.SHUTDOWN:
                 return
-            else:
-                raise RuntimeError(f"unknown command {kind!r} from the driver")
 
     def _init_kv(self, num_blocks: int) -> None:
         shape = kv_cache_shape(self.model_config, num_blocks, self.args.engine.block_size, self.info.tp_size)
@@ -198,8 +210,9 @@ class _Worker:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: object,
-        scratch_shape: tuple[int, ...] | None,
+        scratch_shape: list[int] | None,
         scratch_blocks: int | None,
+        lora_slots: torch.Tensor | None,
     ) -> None:
         device = self.device
         meta = comm.map_tensors(meta, lambda t: t.to(device))
@@ -214,7 +227,8 @@ class _Worker:
         if scratch_blocks is not None:  # a scoring pass on scratch KV (the runner's prompt_logits)
             shape = kv_cache_shape(self.model_config, scratch_blocks, self.args.engine.block_size, self.info.tp_size)
             kv_caches = self._zeros_cache(shape)
-        hidden = self.stage(input_ids.to(device), positions.to(device), kv_caches, meta)
+        slots = None if lora_slots is None else lora_slots.to(device)
+        hidden = self.stage(input_ids.to(device), positions.to(device), kv_caches, meta, slots)
         info = self.info
         if hidden is not None and info.tp_rank == 0 and info.pp_size > 1:
             dist.send(hidden.contiguous(), 0)

@@ -8,7 +8,9 @@ scheduled in the same step may already share them).
 
 Prefix caching hashes full blocks as a chain: hash(parent hash, block tokens). At most
 `num_tokens - 1` tokens are ever taken from the cache, so the last prompt token is always
-computed and its logits exist. Counters `prefix_cache_queries`/`prefix_cache_hits` are in
+computed and its logits exist. A request with a LoRA adapter starts its chain from its adapter's load id
+(`_root`) instead of None, so no KV is ever shared across adapters (or with the base model), nor with an
+earlier load of the same adapter name. Counters `prefix_cache_queries`/`prefix_cache_hits` are in
 tokens, as vLLM reports them, and move only when a lookup's allocation succeeds: a request
 that waits at the head of the queue for several steps is counted once, not once per try.
 """
@@ -53,7 +55,7 @@ class KVCacheManager:
         num_full = (request.num_tokens - 1) // self.block_size
         hashes = self._chain_hashes(request, num_full)
         hits: list[KVBlock] = []
-        parent: int | None = None
+        parent = _root(request)
         for index in range(num_full):
             start = index * self.block_size
             tokens = tuple(request.token_ids_slice(start, start + self.block_size))
@@ -128,7 +130,7 @@ class KVCacheManager:
 
     def _chain_hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(request.request_id, [])
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else _root(request)
         for index in range(len(hashes), num_blocks):
             start = index * self.block_size
             parent = hash((parent, tuple(request.token_ids_slice(start, start + self.block_size))))
@@ -144,7 +146,12 @@ class KVCacheManager:
         blocks = self._blocks[request.request_id]
         for index in range(first, num_full):
             start = index * self.block_size
-            parent = hashes[index - 1] if index else None
+            parent = hashes[index - 1] if index else _root(request)
             tokens = tuple(request.token_ids_slice(start, start + self.block_size))
             self.pool.cache(blocks[index], hashes[index], parent, tokens)
         self._num_registered[request.request_id] = num_full
+
+
+def _root(request: Request) -> int | None:
+    """The parent hash of a request's first block: None for the base model, else its adapter load's own."""
+    return None if request.lora_id is None else hash(("lora", request.lora_id))

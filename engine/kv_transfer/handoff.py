@@ -89,6 +89,11 @@ class KVHandoff(StepHook):
         if kv_transfer is None:
             return None
         self.check(kv_transfer, request.prompt_token_ids, request.sampling_params)
+        if isinstance(kv_transfer, KVPayload) and kv_transfer.lora_name != request.lora_name:
+            raise ValueError(
+                f"KV transfer {kv_transfer.transfer_id} was prefilled with adapter {kv_transfer.lora_name!r} but this "
+                f"request asks for {request.lora_name!r}; send the same `model` to the prefill and the decode engine"
+            )
         if isinstance(kv_transfer, ProducerParams):
             self.producers[request.request_id] = kv_transfer
             return OnAdd()
@@ -130,7 +135,10 @@ class KVHandoff(StepHook):
             params = self.producers.pop(request.request_id)
             num_blocks = -(-request.num_prompt_tokens // self.block_size)
             kv = gather_kv(self._kv_caches, seq.block_ids[:num_blocks])
-            payload = KVPayload(params.transfer_id, list(request.prompt_token_ids), token, self.block_size, kv)
+            payload = KVPayload(
+                params.transfer_id, list(request.prompt_token_ids), token, self.block_size, kv,
+                lora_name=request.lora_name,
+            )  # fmt: skip
             sender.send(params.decode_kv_addr, payload)
 
     def admit(self) -> Iterator[tuple[Request, int]]:

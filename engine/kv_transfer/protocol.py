@@ -10,14 +10,16 @@ Wire format (one TCP connection per transfer, all integers big-endian):
     version    u16       1
     header_len u32       length of the JSON header that follows
     header     JSON      {"transfer_id", "prompt_token_ids", "first_token_id", "block_size",
-                          "layer_start", "layer_end", "dtype", "shape", "nbytes"}
+                          "layer_start", "layer_end", "dtype", "shape", "nbytes", "lora_name"}
     payload    nbytes    the KV tensor, C-contiguous, raw bytes
 
 The KV tensor has shape ``[layer_end - layer_start, 2 (K, V), num_blocks, block_size,
 num_kv_heads, head_dim]``: the prompt's blocks, in order (the last one may be partly used;
 only ``len(prompt_token_ids)`` token slots are meaningful). The receiver answers with one
 status byte (0 = stored, 1 = rejected) followed by a u32 length and a UTF-8 message, so a
-sender always learns whether its transfer landed and why not. The layer range leaves room for
+sender always learns whether its transfer landed and why not. `lora_name` is the LoRA adapter the
+prompt was prefilled with (null or absent: the base model); the decode engine admits the transfer only
+for a request of that same adapter, which it must hold. The layer range leaves room for
 pipeline-parallel senders that each ship their own stages' layers; today one transfer covers
 all layers. Other connectors (NCCL, NIXL) can reuse `KVPayload` and keep the same semantics.
 """
@@ -55,6 +57,7 @@ class KVPayload:
     block_size: int
     kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     layer_start: int = 0
+    lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
 
     @property
     def layer_end(self) -> int:
@@ -109,6 +112,7 @@ def write_payload(sock: socket.socket, payload: KVPayload) -> None:
             "dtype": str(kv.dtype).removeprefix("torch."),
             "shape": list(kv.shape),
             "nbytes": raw.nbytes,
+            "lora_name": payload.lora_name,
         }
     ).encode()
     sock.sendall(_PREFIX.pack(MAGIC, VERSION, len(header)) + header)
@@ -138,6 +142,7 @@ def read_payload(sock: socket.socket) -> KVPayload:
             block_size=int(header["block_size"]),
             kv=kv,
             layer_start=int(header["layer_start"]),
+            lora_name=_optional_str(header.get("lora_name")),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise KVTransferError(f"malformed KV transfer header: {err}") from err
@@ -154,6 +159,12 @@ def write_status(sock: socket.socket, status: int, message: str = "") -> None:
 def read_status(sock: socket.socket) -> tuple[int, str]:
     status, length = _STATUS.unpack(_recv_exact(sock, _STATUS.size))
     return status, _recv_exact(sock, length).decode(errors="replace")
+
+
+def _optional_str(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"lora_name must be a string or null, got {type(value).__name__}")
+    return value
 
 
 def _numel(shape: list[int]) -> int:

@@ -2,7 +2,9 @@
 
 `detect_format(path)` names the format (`FORMATS`): a GGUF file (by name or magic, `gguf/detect.py`),
 else a folder, whose config.json's `quantization_config` (or a legacy ``quantize_config.json``) makes
-it a quantized checkpoint (`quant/spec.py`) and whose absence makes it a dense Hugging Face folder.
+it a quantized checkpoint (`quant/spec.py`), whose ``sparsity_config`` makes it a 2:4-sparse one
+(`sparsity/format.py`; read by `sparse_checkpoint.SparseCheckpoint`), and whose absence of both makes it a
+dense Hugging Face folder. A folder with both raises ValueError (not a supported combination).
 `open_checkpoint` returns the reader for that format; every reader answers the same `Checkpoint`
 protocol, which is all `loader.load_model` knows of formats. `read_model_config` is the config alone.
 
@@ -24,7 +26,10 @@ from ..gguf.checkpoint import GGUFCheckpoint
 from ..gguf.detect import is_gguf_file
 from ..quant.runtime import QuantizedWeight
 from ..quant.spec import QuantSpec, read_quant_spec
+from ..sparsity.format import FORMAT as SPARSE_FORMAT
+from ..sparsity.format import SparsityConfig, read_sparsity_config
 from .safetensors import SafetensorsCheckpoint
+from .sparse_checkpoint import SparseCheckpoint
 
 FORMATS = {
     "hf": "Hugging Face folder: config.json and safetensors (one file, or an index of shards)",
@@ -33,6 +38,7 @@ FORMATS = {
     "tidepool-int4": "Tidepool int4 folder (`tidepool quantize --method int4`): group sizes per input width",
     "gptq": "GPTQ 4-bit folder (v1 or v2, act-order allowed)",
     "awq": "AWQ 4-bit GEMM folder",
+    SPARSE_FORMAT: "Tidepool 2:4-sparse folder (`tidepool sparsify`): kept values (float or int8) + index metadata",
 }
 
 
@@ -41,6 +47,7 @@ class ModelFormat:
     name: str  # a key of FORMATS
     path: Path
     quant: QuantSpec | None = None  # a quantized folder's scheme
+    sparsity: SparsityConfig | None = None  # a 2:4 folder's sparsity_config
 
 
 class Checkpoint(Protocol):
@@ -66,7 +73,16 @@ def detect_format(path: str | Path) -> ModelFormat:
         return ModelFormat("gguf", location)
     if not location.is_dir():
         raise FileNotFoundError(f"model folder {location} does not exist")
-    spec = read_quant_spec(location, read_config_json(location))
+    config = read_config_json(location)
+    spec = read_quant_spec(location, config)
+    sparsity = read_sparsity_config(config, str(location / "config.json"))
+    if sparsity is not None:
+        if spec is not None:
+            raise ValueError(
+                f"{location / 'config.json'} has both a quantization_config ({spec.kind}) and a sparsity_config; "
+                "a 2:4 checkpoint quantizes through its own int8 kept values (`tidepool sparsify --values-dtype int8`)"
+            )
+        return ModelFormat(SPARSE_FORMAT, location, None, sparsity)
     return ModelFormat("hf" if spec is None else spec.kind, location, spec)
 
 
@@ -76,6 +92,8 @@ def open_checkpoint(path: str | Path, quantization: str | None = None) -> Checkp
     model_format = detect_format(path)
     if model_format.name == "gguf":
         return GGUFCheckpoint(model_format.path, quantization)
+    if model_format.sparsity is not None:
+        return SparseCheckpoint(model_format.path, model_format.sparsity)
     return SafetensorsCheckpoint(model_format.path, model_format.quant)
 
 

@@ -51,6 +51,8 @@ def prepare_quantized(model: str, quantization: str | None) -> str:
             f"quantization 'gguf' keeps a GGUF file's own quantized weights, but {model} is a Hugging Face folder; "
             "use int8, int4, gptq, awq or none"
         )
+    if model_format.sparsity is not None:
+        return model  # a 2:4 checkpoint carries its own int8 kept values (sparsity.load.check_sparsity_request)
     if model_format.name != "hf":
         if model_format.name != _KIND[quantization]:
             raise ValueError(

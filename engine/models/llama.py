@@ -11,13 +11,17 @@ A float32 CPU step of 1..8 decodes runs every layer and the final norm in one co
 (`cpu_ops.decoder_op()`, the same arithmetic as the layers' own compiled ops, bit for bit) when the
 op is available and nothing hooks into the layers (tensor parallelism's all-reduce hooks do): at
 that size the per-layer calls cost a quarter to a third of the step (bench/README.md).
+
+LoRA (engine/lora): each projection site (qkv, o, gate_up, down) adds its adapters' deltas right after
+its base projection (`SiteSlots.apply`, set on the modules by `LoRASlots.attach`) when the step passes
+`lora_slots`; a step without adapter tokens passes None and runs exactly as before (compiled path included).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +36,9 @@ from ..layers.attention_metadata import AttentionMetadata
 from ..layers.linear import linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, apply_rotary_
+
+if TYPE_CHECKING:
+    from ..lora.slots import SiteSlots
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -55,6 +62,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_weight = _param(config.hidden_size, self.q_size, dtype=dt, device=device)
         self.o_bias = _param(config.hidden_size, dtype=dt, device=device) if config.o_proj_bias else None
+        self.lora_qkv: SiteSlots | None = None  # set by LoRASlots.attach when the engine serves adapters
+        self.lora_o: SiteSlots | None = None
 
     def forward(
         self,
@@ -62,15 +71,21 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)
+        if lora_slots is not None and self.lora_qkv is not None:
+            self.lora_qkv.apply(qkv, x, lora_slots)
         # q and k are adjacent in the fused output: rotate both heads at once, in place.
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = apply_rotary_(qk, *cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return linear(attn.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(num_tokens, self.q_size)
+        out = linear(attn, self.o_weight, self.o_bias)
+        if lora_slots is not None and self.lora_o is not None:
+            self.lora_o.apply(out, attn, lora_slots)
+        return out
 
 
 class LlamaMLP(nn.Module):
@@ -82,9 +97,20 @@ class LlamaMLP(nn.Module):
         self.gate_up_bias = _param(2 * config.intermediate_size, dtype=dt, device=device) if config.mlp_bias else None
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dt, device=device)
         self.down_bias = _param(config.hidden_size, dtype=dt, device=device) if config.mlp_bias else None
+        self.lora_gate_up: SiteSlots | None = None  # set by LoRASlots.attach when the engine serves adapters
+        self.lora_down: SiteSlots | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias)), self.down_weight, self.down_bias)
+    def forward(self, x: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
+        if lora_slots is None:
+            return linear(silu_mul(linear(x, self.gate_up_weight, self.gate_up_bias)), self.down_weight, self.down_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
+        if self.lora_gate_up is not None:
+            self.lora_gate_up.apply(gate_up, x, lora_slots)
+        h = silu_mul(gate_up)
+        out = linear(h, self.down_weight, self.down_bias)
+        if self.lora_down is not None:
+            self.lora_down.apply(out, h, lora_slots)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,11 +128,13 @@ class LlamaDecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lora_slots` [num_tokens] int32: each token's adapter slot (-1: base model); None: no adapter token."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h = self.self_attn(h, cos_sin, kv_cache, meta, lora_slots)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora_slots), residual
 
     def decode_tensors(self) -> dict[str, torch.Tensor | None]:
         """This layer's weights by `cpu_ops.decoder.LAYER_FIELDS` name (what the one-call decode step reads)."""
@@ -203,16 +231,19 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the final norm."""
+        """Hidden states [num_tokens, hidden] after the final norm. `lora_slots`: each token's adapter slot
+        (int32, -1 = base model), only for a step with adapter tokens (a step without stays on every fast path)."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        compiled = self._compiled_decode_step(x, cos_sin, kv_caches, meta)
-        if compiled is not None:
-            return compiled
+        if lora_slots is None:
+            compiled = self._compiled_decode_step(x, cos_sin, kv_caches, meta)
+            if compiled is not None:
+                return compiled
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos_sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos_sin, kv_cache, meta, lora_slots)
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,11 +1,14 @@
 """FastAPI routes of the OpenAI-compatible server, its lifecycle (load, serve, drain) and error rendering.
 
 Role: the HTTP surface, registered by family: probes (`/health` liveness, `/ready` readiness,
-`/metrics`, `/version`), what the server holds (`/v1/models`, `/debug/kv`) and the gated API
-calls (`/v1/completions`, `/v1/chat/completions`, vLLM's `/tokenize` and `/detokenize`, see
-tokenization.py). What the routes share is a `ServerState` (state.py).
+`/metrics`, `/version`), what the server holds (`/v1/models`: the base model and its LoRA
+adapters; `/debug/kv`) and the gated API calls (`/v1/completions`, `/v1/chat/completions`, vLLM's
+`/tokenize` and `/detokenize`, see tokenization.py; with --allow-runtime-lora-updating vLLM's
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, see lora_admin.py). What the routes share
+is a `ServerState` (state.py).
 
-Lifecycle: the app answers at once; the model loads in a background thread, and until it is
+Lifecycle: the app answers at once; the model loads in a background thread (then --lora-modules;
+a module that fails to load stops the start), and until it is
 in place `/ready` is 503 and API calls get 503 `loading`. `drain()` (called on SIGTERM) turns
 readiness false, answers new API calls (and uploads still in progress) with 503 `draining`,
 waits for the in-flight ones up to the grace period, then aborts the rest, which are told so
@@ -32,17 +35,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import tokenization
+from . import lora_admin, tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes
 from .logprobs import LogprobFormatter
 from .metrics import EngineMetrics
 from .prompts import PromptEncoder
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, param_from_loc
+from .replies import answering_shutdown
 from .serving import Serving
 from .state import ServerConfig, ServerState
 from .tools.plan import ToolSettings
@@ -62,6 +66,8 @@ def build_app(config: ServerConfig) -> FastAPI:
     _add_probe_routes(app, state)
     _add_info_routes(app, state)
     _add_api_routes(app, state)
+    if config.allow_runtime_lora_updating:
+        _add_lora_routes(app, state)
     return app
 
 
@@ -121,7 +127,9 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             root=config.engine.model,
             max_model_len=state.engine.info.max_model_len if state.engine else None,
         )
-        return ModelList(data=[card]).model_dump()
+        snapshot = state.engine.info.lora_snapshot if state.engine else None
+        adapters = lora_admin.adapter_cards(snapshot(), card) if snapshot is not None else []
+        return ModelList(data=[card, *adapters]).model_dump()
 
     @app.get("/debug/kv")
     async def debug_kv() -> dict[str, int]:
@@ -158,6 +166,21 @@ def _add_api_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/detokenize")
     async def detokenize(body: tokenization.DetokenizeRequest) -> Response:
         return JSONResponse(await tokenization.detokenize(_require_serving(state), body))
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's runtime adapter endpoints (lora_admin.py), only with --allow-runtime-lora-updating (else 404)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: lora_admin.LoadLoRAAdapterRequest) -> Response:
+        engine, name = _require_engine(state), body.lora_name
+        await answering_shutdown(lora_admin.load(engine, state.config.model_name, name, body.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: lora_admin.UnloadLoRAAdapterRequest) -> Response:
+        await answering_shutdown(lora_admin.unload(_require_engine(state), body.lora_name))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 async def drain(app: FastAPI) -> None:
@@ -198,11 +221,19 @@ def _load(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
         async_engine.metrics = EngineMetrics(config.model_name, info.max_model_len, info.max_num_batched_tokens,
                                              info.cache_config)  # fmt: skip
         async_engine.metrics.record_startup(engine.startup_phases)
+        registry = engine.lora
+        register = registry.register if registry is not None else None
+        lora_admin.load_modules(register, info.load_lora, config.lora_modules)  # before the server is ready
+        if registry is not None:
+            async_engine.metrics.enable_lora(registry.max_loras)
         encoder = PromptEncoder(info.tokenizer, info.max_model_len)
         tools = ToolSettings(config.enable_auto_tool_choice, config.tool_call_parser)
         serving = Serving(async_engine, config.model_name, encoder, LogprobFormatter(info.tokenizer), tools)
     except BaseException as err:
-        logger.exception("failed to load the model")
+        if isinstance(err, lora_admin.LoRAModuleError):
+            logger.error("failed to start: %s", err)
+        else:
+            logger.exception("failed to load the model")
         state.load_error = err
         if state.on_fatal is not None:
             loop.call_soon_threadsafe(state.on_fatal)

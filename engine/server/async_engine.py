@@ -9,14 +9,18 @@ Invariants:
 - Only the engine thread touches the `LLMEngine` (it is not thread-safe); only the event-loop
   thread touches the stream table. The HTTP side reads the engine's facts from `info`, a frozen
   `EngineInfo` built before the thread starts.
-- Commands (commands.py: `AddRequests`, `AbortRequests`, `StopEngine`) are applied in the order
-  they were submitted, so an abort never overtakes the add it cancels.
+- Commands (commands.py: `AddRequests`, `AbortRequests`, `StopEngine`, `RegisterAdapter`,
+  `UnregisterAdapter`) are applied in the order they were submitted, so an abort never overtakes
+  the add it cancels, and an add put after an unregister is refused (404). The registry's commands
+  are answered through their future; the file I/O of an adapter load happens before, off this
+  thread (server/lora_admin.py), so no step ever waits for a disk.
 - Admission is bounded: requests queued (submitted but not yet handed to the engine, plus the
   engine's waiting queue) never exceed `max_queue_len`; over the bound `add` raises
   `QueueFullError` before anything is queued. The count errs high, never low.
 - One request cannot end the engine: a request the engine refuses fails alone
-  (`RequestRejectedError`), and per-request failures inside a step come back as that request's
-  error output. Anything else that escapes the engine is fatal: every stream gets
+  (`RequestRejectedError`, or the `LoRAError` of an adapter unloaded meanwhile), and
+  per-request failures inside a step come back as that request's error output. Anything else that
+  escapes the engine is fatal: every stream gets
   `EngineDeadError`, `on_dead` is called (the server then exits non-zero) and liveness turns false.
 - `abort_all(error)` (shutdown) aborts every engine request and makes every later `add` and
   every `guard`ed wait raise that error, so no request outlives a shutdown unanswered.
@@ -31,12 +35,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar, assert_never
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, TypeVar, assert_never
 
 from ..llm_engine import LLMEngine
+from ..lora.types import LoRAError
 from ..outputs import RequestOutput
 from ..stats import EngineStats
-from .commands import AbortRequests, AddRequests, Child, EngineCommand, StopEngine
+from .commands import AbortRequests, AddRequests, Child, EngineCommand, RegisterAdapter, StopEngine, UnregisterAdapter
 from .engine_info import EngineInfo
 from .metrics import EngineMetrics
 
@@ -122,6 +128,7 @@ class AsyncEngine:
         self._num_pending = 0  # submitted, not yet counted in `stats.num_waiting`
         self._live: set[str] = set()  # engine thread only: ids added to the engine and not finished
         self._lock = threading.Lock()
+        self._closed = False  # set by the engine thread as it ends: commands with a reply are failed from then on
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._shutdown = asyncio.Event()
@@ -174,6 +181,15 @@ class AsyncEngine:
             stream.shutdown_error = error
         self._inbox.put(AbortRequests(list(self._streams)))
 
+    async def ask(self, command: RegisterAdapter | UnregisterAdapter) -> Any:
+        """Apply an adapter-registry command on the engine thread: its answer, or its `LoRAError` raised."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        self._inbox.put(command)
+        if self._closed:  # the engine thread ended after the check: it will never read the command
+            _answer(command.reply, error=EngineDeadError("the engine is not running"))
+        return await self.guard(asyncio.wrap_future(command.reply))
+
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await `awaitable` unless a shutdown comes first; then it is cancelled and the ShutdownError raised."""
         task = asyncio.ensure_future(awaitable)
@@ -220,10 +236,25 @@ class AsyncEngine:
             self.error = err
             self._post(None, EngineDeadError(f"engine failed: {err!r}"))
         finally:
+            self._closed = True
+            self._fail_replies()
             try:
                 self._engine.close()  # the KV connector's sockets (P/D), parallel workers
             except Exception:
                 logger.exception("closing the engine failed")
+
+    def _fail_replies(self, taken: list[EngineCommand] | None = None) -> None:
+        """Answer every registry command not applied (`taken` from the inbox, or still in it): the engine thread
+        ends without applying them (an answer already given stays)."""
+        commands = list(taken or [])
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, RegisterAdapter | UnregisterAdapter):
+                _answer(command.reply, error=EngineDeadError("the engine stopped before applying the command"))
 
     def _loop_forever(self) -> None:
         engine = self._engine
@@ -236,12 +267,15 @@ class AsyncEngine:
                 match command:
                     case StopEngine():
                         self._shutdown_engine()
+                        self._fail_replies(commands)
                         return
                     case AddRequests(children, arrival_time):
                         num_added += len(children)
                         self._add(children, arrival_time, results, outputs)
                     case AbortRequests(request_ids):
                         outputs.extend(engine.abort_request(request_ids))
+                    case RegisterAdapter() | UnregisterAdapter():
+                        self._apply_registry(command)
                     case _:
                         assert_never(command)
             stepped = engine.has_unfinished_requests()
@@ -253,6 +287,8 @@ class AsyncEngine:
                 self._num_pending -= num_added
             if self.metrics is not None:
                 self.metrics.record_stats(stats, self._num_pending)
+                if self.metrics.lora is not None and engine.lora is not None:
+                    self.metrics.lora.record(engine.lora.snapshot())
                 if stepped:
                     self.metrics.record_step(engine.last_stats)
                 self.metrics.record_outputs(outputs)
@@ -280,6 +316,7 @@ class AsyncEngine:
                     arrival_time,
                     kv_transfer=child.kv_transfer,
                     grammar=child.grammar,
+                    lora_name=child.lora_name,
                 )
                 added.append(child.request_id)
                 self._live.add(child.request_id)
@@ -287,9 +324,28 @@ class AsyncEngine:
                 logger.warning("the engine refused request %s: %r", child.request_id, err)
                 outputs.extend(self._engine.abort_request(added))
                 self._live.difference_update(added)
-                error = RequestRejectedError(str(err)) if isinstance(err, ValueError) else err
+                # An adapter unloaded since the server checked `model` keeps its own 404.
+                rejected = isinstance(err, ValueError) and not isinstance(err, LoRAError)
+                error = RequestRejectedError(str(err)) if rejected else err
                 results.extend((c.request_id, error) for c in children)
                 return
+        if self.metrics is not None and self.metrics.lora is not None:
+            self.metrics.lora.count_requests(children)
+
+    def _apply_registry(self, command: RegisterAdapter | UnregisterAdapter) -> None:
+        """A registry command, answered through its future; a refusal (LoRAError) is the caller's answer alone."""
+        registry = self._engine.lora  # never None here: the server sends these only with --enable-lora
+        try:
+            if isinstance(command, RegisterAdapter):
+                result: Any = registry.register(command.adapter)  # type: ignore[union-attr]
+            else:
+                result = registry.unregister(command.name)  # type: ignore[union-attr]
+        except Exception as err:  # the registry refused (LoRAError) or failed on this adapter alone
+            if not isinstance(err, LoRAError):
+                logger.exception("the adapter registry failed on a %s", type(command).__name__)
+            _answer(command.reply, error=err)
+            return
+        _answer(command.reply, result)
 
     def _take_commands(self, block: bool) -> list[EngineCommand]:
         commands: list[EngineCommand] = []
@@ -330,3 +386,14 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._dispatch, results)
         except RuntimeError:  # the loop closed between the check and the call (process exit)
             pass
+
+
+def _answer(reply: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Set a command's one answer (a second one, from a race with the thread's end, is dropped)."""
+    try:
+        if error is not None:
+            reply.set_exception(error)
+        else:
+            reply.set_result(result)
+    except InvalidStateError:
+        pass

@@ -1,8 +1,9 @@
 """Request checks that need more than the schema: the served model, the engine's limits, unsupported features.
 
 Role: everything `serving.py` verifies before it queues anything, each failure an `APIError`
-naming the parameter: the model name, `stream_options` without `stream`, `logit_bias` keys
-(token ids in the vocabulary), the fan-out of `n` x prompts against the queue bound, features
+naming the parameter: the model name (the served model or a loaded LoRA adapter),
+`stream_options` without `stream`, `logit_bias` keys (token ids in the vocabulary), the fan-out of
+`n` x prompts against the queue bound, features
 that are not implemented (`suffix`, the deprecated `functions`/`function_call`, prompt logprobs
 in a stream: `prompt_logprobs`, or echo with logprobs), `max_tokens=0` without echo, and the
 translation of a request into `SamplingParams` (whose own checks are the engine's limits).
@@ -13,6 +14,7 @@ Invariant: an unsupported feature is refused with a 400 that says so, never sile
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any
 
 from ..sampling_params import SamplingParams
@@ -23,9 +25,12 @@ _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict[int, float] | None:
-    """Checks shared by completions and chat; returns `logit_bias` keyed by token id."""
-    check_model(req.model, model_name)
+def check_common(
+    req: SamplingRequest, model_name: str, adapters: Collection[str], vocab_size: int
+) -> tuple[str | None, dict[int, float] | None]:
+    """Checks shared by completions and chat; returns the LoRA adapter `model` selects (None: the base model)
+    and `logit_bias` keyed by token id."""
+    lora_name = check_model(req.model, model_name, adapters)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed when stream is true", param="stream_options")
     if req.response_format is not None:
@@ -33,14 +38,18 @@ def check_common(req: SamplingRequest, model_name: str, vocab_size: int) -> dict
         if kind not in _RESPONSE_FORMATS:
             raise APIError(f"response_format.type must be one of {', '.join(map(repr, _RESPONSE_FORMATS))}; "
                            f"got {_short(kind)!r}", param="response_format.type")  # fmt: skip
-    return _logit_bias(req.logit_bias, vocab_size)
+    return lora_name, _logit_bias(req.logit_bias, vocab_size)
 
 
-def check_model(model: str | None, model_name: str) -> None:
-    """A request's `model`, when given, names the served model (every API route: OpenAI's 404 otherwise)."""
-    if model is not None and model != model_name:
+def check_model(model: str | None, model_name: str, adapters: Collection[str] = ()) -> str | None:
+    """A request's `model`, when given, names the served model or one of its loaded LoRA `adapters` (every API
+    route: OpenAI's 404 otherwise). Returns the adapter's name; None for the base model."""
+    if model is None or model == model_name:
+        return None
+    if model not in adapters:
         raise APIError(f"The model `{_short(model)}` does not exist.", status_code=404, param="model",
                        code="model_not_found")  # fmt: skip
+    return model
 
 
 def check_completion(req: CompletionRequest) -> None:

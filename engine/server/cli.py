@@ -76,6 +76,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def _server_config(args: argparse.Namespace) -> Any:
     from ..engine_config import resolve_model_path
+    from .lora_modules import parse_lora_modules
     from .state import ServerConfig
     from .tools.parsers import check_tool_flags
 
@@ -86,9 +87,11 @@ def _server_config(args: argparse.Namespace) -> Any:
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # a bad name exits 2 before loading
+    model_name = args.served_model_name or args.model
+    _check_lora_flags(args)
     return ServerConfig(
         engine=engine_config(args),
-        model_name=args.served_model_name or args.model,
+        model_name=model_name,
         max_queue_len=args.max_queue_len,
         retry_after_s=args.retry_after,
         drain_timeout_s=args.drain_timeout,
@@ -96,7 +99,18 @@ def _server_config(args: argparse.Namespace) -> Any:
         body_read_timeout_s=args.body_read_timeout,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        lora_modules=parse_lora_modules(args.lora_modules, [model_name, args.model]),  # a bad one exits 2 here
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
+
+
+def _check_lora_flags(args: argparse.Namespace) -> None:
+    """The adapter flags that serve adapters need --enable-lora (vLLM's rule): a clear error, not a silent no-op."""
+    if args.enable_lora:
+        return
+    for flag in ("lora_modules", "allow_runtime_lora_updating"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora (serve LoRA adapters on the base model)")
 
 
 def _master_port(args: argparse.Namespace) -> int | None:

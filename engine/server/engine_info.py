@@ -4,7 +4,11 @@ Role: the server talks to the engine only through `AsyncEngine`'s queue and this
 holds the facts requests are checked against (vocabulary size, context length), what the
 metrics and `/v1/models` report, the tokenizer (whose encode/decode are thread-safe and run in
 the server's tokenizer threads) and, on a prefill or decode engine, the KV connector's two
-event-loop entry points (made for the event loop: they wait without holding a thread).
+event-loop entry points (made for the event loop: they wait without holding a thread). With
+--enable-lora it also holds the adapter registry's thread-safe `snapshot` (which adapters a
+request's `model` may name, what `/v1/models` lists) and `load_lora` (`LoRARegistry.read`), the
+pure, thread-safe adapter reader bound to this model (the server runs it in a worker thread;
+registering goes through the engine thread's inbox).
 
 Invariant: frozen, built before the engine thread starts and never updated; nothing here lets
 the HTTP thread reach into `LLMEngine`'s mutable state.
@@ -14,10 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..kv_transfer import KVPayload
 from ..llm_engine import LLMEngine
 from ..tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ..lora.peft import LoadedAdapter
+    from ..lora.types import LoRASnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +47,9 @@ class EngineInfo:
     # decode engine's acknowledgement of a sent transfer (KVSender.wait_sent_async).
     kv_receive: Callable[[str, float], Awaitable[KVPayload]] | None = None
     kv_wait_sent: Callable[[str], Awaitable[None]] | None = None
+    # --enable-lora: the registry's snapshot (any thread) and the adapter reader (name, path) -> LoadedAdapter.
+    lora_snapshot: Callable[[], LoRASnapshot] | None = None
+    load_lora: Callable[[str, str], LoadedAdapter] | None = None
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> EngineInfo:
@@ -59,6 +71,8 @@ class EngineInfo:
             kv_transfer_timeout=config.kv_transfer_timeout,
             kv_receive=receiver.take_async if receiver is not None else None,
             kv_wait_sent=sender.wait_sent_async if sender is not None else None,
+            lora_snapshot=engine.lora.snapshot if engine.lora is not None else None,
+            load_lora=engine.lora.read if engine.lora is not None else None,
         )
 
     @property

@@ -2,8 +2,10 @@
 
 Role: `build_job` checks each prompt against the engine's limits (context length, token ids,
 `min_tokens`) and builds the `SamplingParams` of each engine request; seeded requests get seed,
-seed+1, ... as `LLM.generate` does. Invariant: every check that can fail runs here, before anything
-is queued, and raises `APIError` naming the parameter.
+seed+1, ... as `LLM.generate` does; every engine request carries the LoRA adapter the request's
+`model` selected (None: the base model), and the response echoes `model` as vLLM does.
+Invariant: every check that can fail runs here, before anything is queued, and raises
+`APIError` naming the parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Job:
     prompts: list[list[int]]
     prompt_texts: list[str | None]
     n: int
+    model: str  # what the response says in `model`: the served model's name or the adapter's
     children: list[Child] = field(default_factory=list)
     index_of: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
     finals: dict[str, RequestOutput] = field(default_factory=dict)  # engine request id -> final output
@@ -59,11 +62,15 @@ def build_job(
     prompt_param: str,
     logprobs: int | None,
     logit_bias: dict[int, float] | None,
+    *,
+    model: str,
+    lora_name: str | None = None,
 ) -> Job:
-    """The engine requests for `prompts` (n each). `budget` is (max_tokens, the request field it came from;
-    None for a default); a max_tokens of None means the room each prompt leaves in the context."""
+    """The engine requests for `prompts` (n each), run with adapter `lora_name` (None: the base model) and
+    answered as `model`. `budget` is (max_tokens, the request field it came from; None for a default); a
+    max_tokens of None means the room each prompt leaves in the context."""
     max_tokens, max_tokens_from = budget
-    job = Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n)
+    job = Job(f"{kind}-{uuid.uuid4().hex}", int(time.time()), prompts, texts, req.n, model)
     limit = info.max_model_len
     for i, prompt in enumerate(prompts):
         if not prompt:
@@ -85,7 +92,7 @@ def build_job(
         budget_left = limit - len(prompt) if max_tokens is None else max_tokens
         params = sampling_params(req, budget_left, logprobs, logit_bias, engine_prompt_logprobs(req))
         for j in range(req.n):
-            child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j))
+            child = Child(f"{job.response_id}-{i}-{j}", prompt, params.for_completion(j), lora_name=lora_name)
             job.children.append(child)
             job.index_of[child.request_id] = i * req.n + j
     return job

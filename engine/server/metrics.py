@@ -14,6 +14,8 @@ Invariants:
   once at the end.
 - Cumulative engine counters (preemptions, prefix-cache queries/hits) are exported as deltas
   of successive snapshots, so the exported counters equal the engine's.
+- The LoRA families (lora_metrics.py) are registered only by `enable_lora`, so an engine without
+  adapters exports exactly vLLM's base families.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tidepool.contract import metrics_names as names
 
 from ..outputs import RequestOutput
 from ..stats import EngineStats
+from .lora_metrics import LoRAMetrics
 
 # vLLM's buckets, so histograms from Tidepool and vLLM pods can be aggregated together.
 TTFT_BUCKETS = (
@@ -163,6 +166,12 @@ class EngineMetrics:
         self._add_size_histograms(families, max_model_len, max_num_batched_tokens)
         self._startup = Gauge(names.STARTUP_PHASE_SECONDS, "Seconds each start phase of the engine took.",
                               [names.MODEL_NAME_LABEL, names.STARTUP_PHASE_LABEL], registry=self.registry)  # fmt: skip
+        self.lora: LoRAMetrics | None = None  # with --enable-lora only (lora_metrics.py)
+
+    def enable_lora(self, max_loras: int) -> LoRAMetrics:
+        """Export the LoRA families (an engine started with --enable-lora); the engine thread records them."""
+        self.lora = LoRAMetrics(self.registry, self.model_name, max_loras)
+        return self.lora
 
     def _add_gauges(self, new: _Families, cache_config: dict[str, str]) -> None:
         """The engine's load now: running and waiting requests, KV-cache usage, and the cache configuration."""

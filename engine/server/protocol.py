@@ -354,7 +354,8 @@ class ModelCard(BaseModel):
     object: str = "model"
     created: int
     owned_by: str = "tidepool"
-    root: str | None = None
+    root: str | None = None  # the model's folder, or a LoRA adapter's
+    parent: str | None = None  # a LoRA adapter's base model id (vLLM's field); None for the base model
     max_model_len: int | None = None
 
 

@@ -6,7 +6,7 @@ Role: one mapping from the engine's exceptions and final outputs to HTTP answers
 JSON and the streaming paths of serving.py, so a failure reads the same either way:
 - a shutdown (drain deadline, second signal) -> 503 `service_unavailable` with the shutdown's code;
 - the engine died -> 500 `engine_dead`; the engine failed on this request alone -> 500 `request_failed`;
-- the engine rejected the request -> 400;
+- the engine rejected the request -> 400; an adapter refused (`LoRAError`) -> its own status (400/404) and code;
 - refused at submission: the queue is full -> 429 with Retry-After; the engine is dead -> 503.
 """
 
@@ -16,6 +16,7 @@ import json
 from collections.abc import Awaitable
 from typing import TypeVar
 
+from ..lora.types import LoRAError
 from ..outputs import RequestOutput
 from .async_engine import EngineDeadError, QueueFullError, RequestRejectedError, RequestStream, ShutdownError
 from .protocol import APIError
@@ -50,6 +51,8 @@ def engine_error(err: BaseException) -> APIError:
         return APIError(str(err), status_code=500, type="internal_error", code="engine_dead")
     if isinstance(err, RequestRejectedError):
         return APIError(str(err), status_code=400)
+    if isinstance(err, LoRAError):
+        return APIError(str(err), status_code=err.status, param=err.param, code=err.code)
     return APIError(f"the engine failed on this request: {err!r}", status_code=500, type="internal_error",
                     code="request_failed")  # fmt: skip
 

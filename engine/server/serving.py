@@ -16,6 +16,9 @@ Invariants:
   `data: [DONE]`. Never a silent 200.
 - Streamed text is the engine's stream-safe text (held back while a stop string could still
   cut it), so the concatenated deltas equal the non-streamed text.
+- The request's `model` selects the base model (the served name, or none) or a loaded LoRA adapter
+  (`adapter_names`, from the registry's snapshot; anything else a 404), and the response's `model`
+  is that name, as vLLM answers.
 - A chat becomes a prompt in `chat_prompt` alone; /tokenize's chat form (tokenization.py) calls
   it too, so it counts exactly the tokens a chat completion feeds the engine.
 """
@@ -99,18 +102,24 @@ class Serving:
         self.logprobs = logprobs
         self.tools = tools or ToolSettings()  # --enable-auto-tool-choice, --tool-call-parser
 
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters a request's `model` may name now (none without --enable-lora)."""
+        snapshot = self.info.lora_snapshot
+        return snapshot().names() if snapshot is not None else []
+
     # ---- completions ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        logit_bias = check_common(req, self.model_name, self.info.vocab_size)
+        lora_name, logit_bias = check_common(req, self.model_name, self.adapter_names(), self.info.vocab_size)
         check_completion(req)
-        return await answering_shutdown(self._completions(req, raw, logit_bias))
+        return await answering_shutdown(self._completions(req, raw, lora_name, logit_bias))
 
-    async def _completions(self, req: CompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
+    async def _completions(
+        self, req: CompletionRequest, raw: Request, lora_name: str | None, logit_bias: dict[int, float] | None
+    ) -> Response:
         prompts, texts = await self._completion_prompts(req)
         sent = "max_tokens" if "max_tokens" in req.model_fields_set else None
-        job = build_job(
-            self.info, "cmpl", prompts, texts, req, (req.max_tokens, sent), "prompt", req.logprobs, logit_bias
-        )
+        job = build_job(self.info, "cmpl", prompts, texts, req, (req.max_tokens, sent), "prompt", req.logprobs,
+                        logit_bias, model=lora_name or self.model_name, lora_name=lora_name)  # fmt: skip
         await constrain(self.engine, job.children, req)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
@@ -129,7 +138,7 @@ class Serving:
                                  finish_reason=comp.finish_reason, stop_reason=comp.stop_reason)
             )  # fmt: skip
         choices.sort(key=lambda c: c.index)
-        body = CompletionResponse(id=job.response_id, created=job.created, model=self.model_name, choices=choices,
+        body = CompletionResponse(id=job.response_id, created=job.created, model=job.model, choices=choices,
                                   usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(self._with_prompt_logprobs(body.model_dump(), job, req))
 
@@ -151,7 +160,7 @@ class Serving:
         return [list(prompt)], [None]  # type: ignore[arg-type]
 
     async def _stream_completion(self, job: Job, stream: RequestStream, req: CompletionRequest) -> AsyncIterator[str]:
-        chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=False)
+        chunks = StreamChunks(job.response_id, job.created, job.model, chat=False)
         if req.echo:
             for index in job.index_of.values():
                 text = await self._prompt_text(job, index // req.n)
@@ -173,13 +182,15 @@ class Serving:
 
     # ---- chat -----------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        logit_bias = check_common(req, self.model_name, self.info.vocab_size)
+        lora_name, logit_bias = check_common(req, self.model_name, self.adapter_names(), self.info.vocab_size)
         check_chat(req)
         self.check_chat_template()
         check_fan_out(1, req.n, self.engine.max_queue_len)
-        return await answering_shutdown(self._chat(req, raw, logit_bias))
+        return await answering_shutdown(self._chat(req, raw, lora_name, logit_bias))
 
-    async def _chat(self, req: ChatCompletionRequest, raw: Request, logit_bias: dict[int, float] | None) -> Response:
+    async def _chat(
+        self, req: ChatCompletionRequest, raw: Request, lora_name: str | None, logit_bias: dict[int, float] | None
+    ) -> Response:
         plan = check_tools(req, self.tools)  # before anything is queued, like every check
         text, prompt = await self.chat_prompt(req, req.messages, plan=plan)
         if req.max_completion_tokens is not None:
@@ -187,7 +198,8 @@ class Serving:
         else:
             budget = (req.max_tokens, "max_tokens" if req.max_tokens is not None else None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        job = build_job(self.info, "chatcmpl", [prompt], [text], req, budget, "messages", num_top, logit_bias)
+        job = build_job(self.info, "chatcmpl", [prompt], [text], req, budget, "messages", num_top, logit_bias,
+                        model=lora_name or self.model_name, lora_name=lora_name)  # fmt: skip
         await constrain(self.engine, job.children, req)
         producer = await self.engine.guard(attach_kv_transfer(self.info, req, job.children))
         stream = self._submit(job)
@@ -208,7 +220,7 @@ class Serving:
                            stop_reason=comp.stop_reason)
             )  # fmt: skip
         choices.sort(key=lambda c: c.index)
-        body = ChatCompletionResponse(id=job.response_id, created=job.created, model=self.model_name,
+        body = ChatCompletionResponse(id=job.response_id, created=job.created, model=job.model,
                                       choices=choices, usage=job.usage(), kv_transfer_params=kv_params)  # fmt: skip
         return JSONResponse(self._with_prompt_logprobs(body.model_dump(), job, req))
 
@@ -236,7 +248,7 @@ class Serving:
     async def _stream_chat(
         self, job: Job, stream: RequestStream, req: ChatCompletionRequest, num_top: int | None, plan: ToolPlan
     ) -> AsyncIterator[str]:
-        chunks = StreamChunks(job.response_id, job.created, self.model_name, chat=True)
+        chunks = StreamChunks(job.response_id, job.created, job.model, chat=True)
         tool_stream = ToolStream(plan, chunks)  # without a parser: one chunk per piece, as ever
         for index in job.index_of.values():
             yield chunks.event([chunks.chat_choice(index, "", role="assistant")], job.usage_so_far(req, index))

@@ -11,7 +11,7 @@ Invariants:
 - `not_ready_reason()` is the one answer to "may an API call start now?": `/ready` and the gate
   both ask it, so readiness and admission never disagree.
 - `ServerConfig`'s defaults are the serve-flag table's (one source for the CLI, the operator and
-  this class).
+  this class); --lora-modules arrives parsed (lora_modules.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tidepool.contract.serve_flags import flag_default
 
 from ..engine_config import EngineConfig
 from .async_engine import AsyncEngine
+from .lora_modules import LoRAModule
 from .metrics import EngineMetrics
 from .serving import Serving
 
@@ -42,6 +43,8 @@ class ServerConfig:
     body_read_timeout_s: float = flag_default("body-read-timeout")  # a client pausing mid-body gets 408
     enable_auto_tool_choice: bool = flag_default("enable-auto-tool-choice")  # tool_choice "auto" allowed
     tool_call_parser: str | None = flag_default("tool-call-parser")  # the model's tool-call format (tools/parsers.py)
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # adapters loaded before the server is ready
+    allow_runtime_lora_updating: bool = flag_default("allow-runtime-lora-updating")  # load/unload endpoints
 
 
 @dataclass(slots=True)

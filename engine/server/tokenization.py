@@ -15,7 +15,8 @@ Invariants:
   its tokens are exactly the prompt a chat completion of the same messages (and tools) feeds the engine.
 - The requests are checked like the completion endpoints' (protocol.py): strict types, unknown
   fields ignored, proper Unicode, `model` naming the served model or a 404; chat fields vLLM
-  takes but the chat path cannot honour are refused with a 400 (chat_render.py), never ignored. Every refusal
+  takes but the chat path cannot honour are refused with a 400 (chat_render.py), never ignored. A
+  loaded LoRA adapter's name is a valid `model` too (it tokenizes as its base model). Every refusal
   is OpenAI's error body naming the parameter.
 - A text is tokenized only within the prompt encoder's character cap (a 400 beyond it), but its
   token count is not capped at `max_model_len` (vLLM's behaviour: the response reports the
@@ -105,7 +106,7 @@ def parse_tokenize(body: dict[str, Any]) -> TokenizeCompletionRequest | Tokenize
 
 
 async def tokenize(serving: Serving, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
-    check_model(req.model, serving.model_name)
+    check_model(req.model, serving.model_name, serving.adapter_names())  # an adapter shares the base's tokenizer
     if isinstance(req, TokenizeChatRequest):
         serving.check_chat_template()
         check_messages(req.messages)
@@ -121,7 +122,7 @@ async def tokenize(serving: Serving, req: TokenizeCompletionRequest | TokenizeCh
 
 
 async def detokenize(serving: Serving, req: DetokenizeRequest) -> dict[str, Any]:
-    check_model(req.model, serving.model_name)
+    check_model(req.model, serving.model_name, serving.adapter_names())
     tokens = req.tokens
     vocab_size = serving.info.tokenizer.vocab_size
     if tokens and not (min(tokens) >= 0 and max(tokens) < vocab_size):

@@ -19,6 +19,7 @@ from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.types import DnsSubdomain, PositiveQuantity, Quantity, ShortString
 
 Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
+Sparsity = Literal[("none", *FLAGS["sparsity"].choices)]  # type: ignore[valid-type]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
 # The per-pod cache when spec.modelCache is unset or sets emptyDir without sizeLimit: room for a model of
 # ~50B parameters in bf16 (safetensors are ~2 bytes per parameter). Bigger models need a larger limit.
@@ -75,6 +76,14 @@ class ModelSource(ApiModel):
             "Weight quantization: none; int8/int4 (Tidepool weight-only, quantized at load); gptq/awq "
             "(checkpoint already quantized with that method); gguf (a GGUF model's Q8_0/Q4_0/Q4_1 weights kept "
             "quantized; without it a GGUF model is dequantized)."
+        ),
+    )
+    sparsity: Sparsity = Field(
+        default="none",
+        description=(
+            "Weight sparsity: none (the engine still detects a 2:4 checkpoint by itself); 2:4 (the checkpoint must "
+            "be 2:4-sparse, written by `tidepool sparsify`; pods of a dense checkpoint fail to start, saying so). "
+            "Combines with quantization none, or int8 for a checkpoint with int8 kept values."
         ),
     )
 

@@ -19,11 +19,13 @@ entry replaces the global one of the same key in place; scalars replace; affinit
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints
 
+from tidepool.contract.wire import CONTROL_KEY_MOUNT_PATH
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.kube import (
     OPTIONAL_QUALIFIED_NAME_RE,
@@ -43,12 +45,12 @@ from tidepool.operator.api.types import DnsSubdomain, Quantity
 # not allocate to it (the container toolkit reads it).
 RESERVED_ENV_NAMES: tuple[str, ...] = ("HOME", "HF_HOME", "NVIDIA_VISIBLE_DEVICES")
 RESERVED_ENV_PREFIXES: tuple[str, ...] = ("TIDEPOOL_", "LWS_")
-# Volumes of the engine pod (builders/engine.py, sources.py): scratch, shared memory, model cache; a
-# pvc:// model source's volume is "pvc-" + 10 hex digits.
-RESERVED_VOLUME_NAMES: tuple[str, ...] = ("tmp", "dshm", "model-cache")
+# Volumes of the engine pod (builders/engine.py, sources.py, control_key.py): scratch, shared memory, model
+# cache, a multi-node pool's control key; a pvc:// model source's volume is "pvc-" + 10 hex digits.
+RESERVED_VOLUME_NAMES: tuple[str, ...] = ("tmp", "dshm", "model-cache", "control-key")
 RESERVED_VOLUME_NAME_RE = r"^pvc-[0-9a-f]{10}$"
 # Paths the operator mounts into the engine container; an override may mount neither at nor under them.
-RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models")
+RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models", posixpath.dirname(CONTROL_KEY_MOUNT_PATH))
 # Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
 RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PREFIX = "hugepages-"

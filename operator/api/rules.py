@@ -19,6 +19,7 @@ from tidepool.contract.serve_flags import managed_spellings
 from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
+from tidepool.operator.api.lora_rules import LORA_RULES, ROOT_RULE_MESSAGE, served_name_clash
 from tidepool.operator.api.pod_rules import POD_RULES
 from tidepool.operator.api.resource_rules import RESOURCE_RULES
 from tidepool.operator.api.rule import Rule
@@ -292,8 +293,9 @@ _CORE_RULES: tuple[Rule, ...] = (
     ),
 )
 
-# pod_rules.py: what a pod override may not do; resource_rules.py: no request above its limit once merged
-SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES
+# pod_rules.py: what a pod override may not do; resource_rules.py: no request above its limit once merged;
+# lora_rules.py: spec.lora (its root rule, adapter names vs metadata.name: checked below, put in the CRD by crdgen)
+SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES + LORA_RULES
 
 # Root-level rules (self = the whole object); CEL may read metadata.name there.
 NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"
@@ -327,4 +329,6 @@ def validate_spec(spec: s.InferenceServiceSpec, name: str | None = None) -> list
     messages = [r.message for obj in _walk(spec) for r in rules_for(type(obj)) if not r.check(obj)]
     if name is not None and len(name) > MAX_NAME_LENGTH:
         messages.append(NAME_RULE_MESSAGE)
+    if name is not None and served_name_clash(spec, name):
+        messages.append(ROOT_RULE_MESSAGE)
     return list(dict.fromkeys(messages))

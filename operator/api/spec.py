@@ -21,6 +21,7 @@ from tidepool.contract.serve_flags import FLAGS, managed_spellings
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.kube import LABEL_VALUE_RE
+from tidepool.operator.api.lora import LoraSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, Toleration
 from tidepool.operator.api.types import IntOrPercent, Quantity
@@ -314,6 +315,10 @@ class InferenceServiceSpec(ApiModel):
     )
     inference_pool: InferencePoolSpec | None = Field(
         default=None, description="A Gateway API Inference Extension InferencePool over the serving pods; unset: none."
+    )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description="LoRA adapters on the base model, added and removed without restarting pods; unset: no LoRA.",
     )
 
     def pool_names(self) -> tuple[str, ...]:

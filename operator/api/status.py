@@ -19,6 +19,7 @@ from tidepool.operator.api.base import ApiModel
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
 ConditionStatus = Literal["True", "False", "Unknown"]
+AdapterState = Literal["Ready", "Loading", "Failed", "Pending"]
 Timestamp = Annotated[str, StringConstraints(max_length=64), Field(json_schema_extra={"format": "date-time"})]
 _Reason = Annotated[str, StringConstraints(max_length=1024, pattern=r"^([A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?)?$")]
 
@@ -107,6 +108,34 @@ class AutoscalingStatus(StatusModel):
     )
 
 
+class LoraPoolStatus(StatusModel):
+    """One adapter in one pool."""
+
+    pool: Annotated[str, StringConstraints(max_length=16)] = Field(description="unified, prefill or decode.")
+    state: AdapterState = Field(
+        description="Ready: every serving replica holds it; Loading: some are loading it; Failed: a replica refused "
+        "it (see message); Pending: no replica to load it on yet."
+    )
+    ready_replicas: int = Field(default=0, ge=0, description="Serving replicas that hold the adapter.")
+    replicas: int = Field(default=0, ge=0, description="Serving replicas of the pool.")
+    held_by: list[Annotated[str, StringConstraints(max_length=253)]] = Field(
+        default_factory=list, max_length=64, description="Pods that hold the adapter (at most 64 listed)."
+    )
+    message: Annotated[str, StringConstraints(max_length=4096)] = Field(
+        default="", description="Why the adapter failed to load (the engine's reply), or what is under way."
+    )
+
+
+class LoraAdapterStatus(StatusModel):
+    """One declared adapter, over every pool."""
+
+    name: Annotated[str, StringConstraints(max_length=128)] = Field(
+        description="The adapter's name (spec.lora.adapters[].name)."
+    )
+    state: AdapterState = Field(description="The worst of its pools' states (Failed > Loading > Pending > Ready).")
+    pools: list[LoraPoolStatus] = Field(default_factory=list, max_length=3, description="Per pool.")
+
+
 class InferenceServiceStatus(StatusModel):
     """Observed state of an InferenceService."""
 
@@ -131,6 +160,11 @@ class InferenceServiceStatus(StatusModel):
         default=None, description="In-cluster URL of the OpenAI-compatible endpoint (the router Service)."
     )
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+    lora: list[LoraAdapterStatus] | None = Field(
+        default=None,
+        max_length=64,
+        description="Each declared LoRA adapter's readiness per pool (spec.lora); unset without spec.lora.",
+    )
 
     def condition(self, type_: str) -> Condition | None:
         """The condition of that type, if present."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.operator.api.gateway import InferencePoolSpec
+from tidepool.operator.api.lora import LoraSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
 from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.rules import validate_spec
@@ -145,9 +146,18 @@ class ServiceView:
         return self.spec.inference_pool
 
     @property
+    def lora(self) -> LoraSpec | None:
+        return self.spec.lora
+
+    @property
     def quantization(self) -> str | None:
         """The engine's --quantization: None for "none"."""
         return None if self.spec.model.quantization == "none" else self.spec.model.quantization
+
+    @property
+    def sparsity(self) -> str | None:
+        """The engine's --sparsity: None for "none"."""
+        return None if self.spec.model.sparsity == "none" else self.spec.model.sparsity
 
     @property
     def is_autoscaled(self) -> bool:

@@ -8,7 +8,8 @@ sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
-Service, ServiceAccount, Role and RoleBinding; the model-cache claim when
+Service, ServiceAccount, Role and RoleBinding; per multi-node pool the Secret of its control channel's key
+(control_key.py: created once by the plan, never applied); the model-cache claim when
 `modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists; an
 InferencePool when its CRD exists and `spec.inferencePool` names an Endpoint Picker (inference_pool.py).
 `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
@@ -33,6 +34,7 @@ from .common import (
     selector_labels,
     spec_hash,
 )
+from .control_key import control_key_secret
 from .engine import Topology, pool_workloads, topology
 from .inference_pool import inference_pool
 from .layout import ChildKey, Desired, PoolLayout
@@ -57,6 +59,7 @@ SCALED_POOL: dict[str, str] = {mode: spec.scaled_pool() for mode, spec in _BY_MO
 # Apply order: what others reference first (claim, RBAC), then Services, then workloads.
 KIND_ORDER = (
     "PersistentVolumeClaim",
+    "Secret",
     "ServiceAccount",
     "Role",
     "RoleBinding",
@@ -156,6 +159,8 @@ def desired_state(
         children.append(pool_service(name, namespace, pool_name, topo))
         if topo.workload == "StatefulSet":
             children.append(headless_service(name, namespace, pool_name))
+        if topo.nnodes > 1:
+            children.append(control_key_secret(name, namespace, pool_name))
         children.append(pool_pdb(name, namespace, pool_name))
     claim = cache_claim(name, namespace, view)
     if claim:

@@ -13,14 +13,15 @@ the whole group with LWS (`RecreateGroupOnPodRestart`). A StatefulSet has no gro
 failed rank's pod restarts alone; rank 0's engine fails at its next step (its /health turns 500 and
 the kubelet restarts it), the other ranks see rank 0's channel close and exit, and every rank then
 rendezvous again through the new rank 0, so the group converges, but later and less cleanly than
-with LWS (install LWS for multi-node pools).
+with LWS (install LWS for multi-node pools). Every rank mounts its pool's control-channel key (control_key.py).
 
 Invariants: pure; args are rendered from the engine's flag table (serve_flags), sorted, user
 `extraArgs` last in their order, and only flags the table marks managed; the operator's env sorted by
 name, then the pool's pod.env in its own order; quantities canonical; pod overrides applied by
 overrides.py, never over the security contexts or the operator's env, volumes and mounts; the pod
 template carries `tidepool.dev/spec-hash`, a digest of the template itself, so any change to what the
-pods run changes the hash and rolls the pool.
+pods run changes the hash and rolls the pool. spec.lora adds its settings (flags, env, a readiness gate: lora.py), never
+the adapter list, which the operator applies to running pods instead (operator/lora/).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from .common import (
     sorted_env,
     spec_hash,
 )
+from .control_key import control_key_env, with_control_key
+from .lora import lora_env, lora_flags, readiness_gates
 from .overrides import apply_engine_pod, container_resources, pool_pod
 from .sources import CACHE_VOLUME, MODELS_DIR, ModelSource, cache_volume_source, model_source
 
@@ -113,10 +116,12 @@ def engine_flags(
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
         "quantization": view.quantization,
+        "sparsity": view.sparsity,
         "tensor-parallel-size": view.parallelism.tensor,
         "pipeline-parallel-size": view.parallelism.pipeline,
     }
     flags.update({flag: getattr(engine, field) for field, flag in serve_flag_fields().items()})
+    flags.update(lora_flags(view))
     if engine.speculative is not None:
         speculative = {
             "method": engine.speculative.method,
@@ -232,7 +237,13 @@ def engine_container(
     """The `tidepool serve` container of every rank (before the pool's pod overrides)."""
     models, draft_path = sources
     args = render_args(engine_flags(view, pool, topo, models[0].path, draft_path, name), managed_only=True)
-    env = {"HOME": "/tmp", "HF_HOME": f"{MODELS_DIR}/.hf-home", **rank_env(name, namespace, pool.name, topo)}
+    env = {
+        "HOME": "/tmp",
+        "HF_HOME": f"{MODELS_DIR}/.hf-home",
+        **rank_env(name, namespace, pool.name, topo),
+        **lora_env(view),
+        **control_key_env(topo.nnodes),
+    }
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     if pool.name in ("prefill", "decode"):
         ports.append({"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"})
@@ -282,7 +293,7 @@ def pod_template(
     overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
     pod = pool_pod(view, pool.name)
     sources = model_sources(view, features)
-    mounts, volumes = _storage(view, sources[0])
+    mounts, volumes = with_control_key(name, pool.name, topo.nnodes, *_storage(view, sources[0]))
     container = engine_container(view, pool, topo, name, namespace, features, sources, mounts)
     annotations = {
         "prometheus.io/scrape": "true",
@@ -303,6 +314,8 @@ def pod_template(
         spec["serviceAccountName"] = pod.service_account_name
     if pod.priority_class_name:
         spec["priorityClassName"] = pod.priority_class_name
+    if gates := readiness_gates(view):
+        spec["readinessGates"] = gates
     apply_engine_pod(spec, container, pod, selector_labels(name, pool.name))
     if topo.workload == "StatefulSet":
         spec["subdomain"] = headless_name(name, pool.name)

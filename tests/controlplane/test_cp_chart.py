@@ -127,9 +127,12 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("list", "pods", other),
             ("list", "endpointslices.discovery.k8s.io", other),
             ("create", "events", other),
+            ("create", "secrets", other),  # a multi-node pool's control key, created once
         ]
         denied: list[tuple[str, str, str | None]] = [
             ("get", "secrets", other),
+            ("list", "secrets", other),
+            ("update", "secrets", other),
             ("list", "nodes", None),
             ("list", "customresourcedefinitions.apiextensions.k8s.io", None),
             ("list", "namespaces", None),

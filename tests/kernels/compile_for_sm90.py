@@ -6,7 +6,7 @@ of time for ``GPUTarget("cuda", 90, 32)`` with the ptxas bundled in the Triton w
 each variant's shared-memory use (an H100/H200 block may use up to 227 KiB). Not collected by
 pytest (slow: about a minute per attention variant on a small CPU); run by hand:
 
-    python tests/kernels/compile_for_sm90.py [decode] [varlen] [misc] [matmul]
+    python tests/kernels/compile_for_sm90.py [decode] [varlen] [misc] [matmul] [lora]
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def main(groups: list[str]) -> None:
     from tidepool.kernels.flash_attention_varlen import flash_attention_varlen
     from tidepool.kernels.int4_matmul import int4_matmul
     from tidepool.kernels.int8_matmul import int8_matmul
+    from tidepool.kernels.lora_shrink_expand import lora_apply
     from tidepool.kernels.paged_attention_decode import paged_attention_decode
     from tidepool.kernels.rms_norm import rms_norm
     from tidepool.kernels.rotary import rotary_
@@ -97,7 +98,13 @@ def main(groups: list[str]) -> None:
                 int4_matmul(x, torch.zeros(512, 1024, dtype=i32), group, group, 128)
                 gguf_group = torch.ones(128, 1024, dtype=torch.float16)  # Q4_1 kept as int4: 32-wide, mins form
                 int4_matmul(x, torch.zeros(512, 1024, dtype=i32), gguf_group, None, 32, mins=gguf_group)
+        if "lora" in groups:
+            a, b = torch.zeros(8, 3 * 16, 576, dtype=dtype), torch.zeros(8, 960, 16, dtype=dtype)
+            for tokens in (32, 300):  # per-token gather (decode) and segmented (prefill) forms
+                y, x = torch.zeros(tokens, 960, dtype=dtype), torch.zeros(tokens, 576, dtype=dtype)
+                slots = torch.zeros(tokens, dtype=i32)
+                lora_apply(y, x, a, b, (0, 576, 768, 960), slots, torch.full((8,), 16, dtype=i32))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["decode", "varlen", "misc", "matmul"])
+    main(sys.argv[1:] or ["decode", "varlen", "misc", "matmul", "lora"])

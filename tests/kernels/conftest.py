@@ -27,6 +27,7 @@ _KERNEL_MODULES = (
     "paged_attention_decode",
     "int8_matmul",
     "int4_matmul",
+    "lora_shrink_expand",
 )
 
 if not torch.cuda.is_available():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from api_case_kit import Case, both, rule_message, sample, set_path
+from api_cases_lora import LORA_CASES, VALID_LORA_EDITS
 from api_cases_pod import POD_CASES, VALID_POD_EDITS
 from api_cases_resources import RESOURCE_CASES, VALID_RESOURCE_EDITS
 from pydantic import ValidationError
@@ -18,10 +19,11 @@ from pydantic import ValidationError
 from tidepool.operator.api import InferenceService, ServiceView, rules, types, validate_spec
 from tidepool.operator.builders import ClusterFeatures, desired_state
 
-VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS)
+VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS, *VALID_LORA_EDITS)
 INVALID_CASES: tuple[Case, ...] = (
     *POD_CASES,
     *RESOURCE_CASES,
+    *LORA_CASES,
     Case("unified-with-prefill", set_path("spec.pools.prefill", {}), rule_message("mode unified needs"), "rule"),
     Case(
         "disagg-without-decode",

@@ -98,6 +98,7 @@ CASES = [
             ("Service", "svc-unified"),
             ("Service", "svc-unified-hl"),
             ("PodDisruptionBudget", "svc-unified"),
+            ("Secret", "svc-unified-control-key"),  # the control channel's key (test_control_key.py)
         },
         {"svc-unified-g0": ("StatefulSet", 2, 8), "svc-unified-g1": ("StatefulSet", 2, 8)},
         id="multi-node-statefulset-groups",
@@ -111,6 +112,7 @@ CASES = [
             ("Service", "svc-unified"),
             ("PodDisruptionBudget", "svc-unified"),
             ("ServiceMonitor", "svc"),
+            ("Secret", "svc-unified-control-key"),  # the control channel's key (test_control_key.py)
         },
         {"svc-unified": ("LeaderWorkerSet", 2, 8)},
         id="multi-node-lws-and-servicemonitor",
@@ -136,7 +138,8 @@ CASES = [
         spec(UNIFIED, resources={"gpusPerReplica": 0}, parallelism={"tensor": 2, "pipeline": 2}),
         ClusterFeatures(has_lws=True),
         COMMON
-        | {("LeaderWorkerSet", "svc-unified"), ("Service", "svc-unified"), ("PodDisruptionBudget", "svc-unified")},
+        | {("LeaderWorkerSet", "svc-unified"), ("Service", "svc-unified"), ("PodDisruptionBudget", "svc-unified")}
+        | {("Secret", "svc-unified-control-key")},
         {"svc-unified": ("LeaderWorkerSet", 2, 0)},
         id="cpu-pipeline-parallel-lws",
     ),

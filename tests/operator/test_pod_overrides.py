@@ -239,7 +239,7 @@ def test_every_env_volume_and_mount_the_builders_render_is_reserved() -> None:
         ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, "volume name the operator uses"),
         (
             {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "d", "mountPath": "/tmp"}]},
-            "at or under a path the operator mounts (/tmp, /dev/shm, /models)",
+            "at or under a path the operator mounts (/tmp, /dev/shm, /models, /etc/tidepool/control-key)",
         ),
         (
             {

@@ -37,10 +37,12 @@ SPEC_MATRIX: list[tuple[dict[str, Any], ClusterFeatures]] = [
     ({**BASE, "engine": {"prefixCaching": False, "chunkedPrefill": False}}, ClusterFeatures()),
     ({**BASE, "engine": {"maxModelLen": 2048, "maxNumBatchedTokens": 4096}}, ClusterFeatures()),
     ({**BASE, "model": {"uri": "hf://org/model", "quantization": "int4"}}, ClusterFeatures()),
+    ({**BASE, "model": {"uri": "hf://org/model", "sparsity": "2:4"}}, ClusterFeatures()),
     ({**BASE, "engine": {"speculative": {"method": "draft", "draftModel": "hf://org/draft"}}}, ClusterFeatures()),
     (DISAGG, ClusterFeatures()),
     (MULTI_NODE, ClusterFeatures()),
     (MULTI_NODE, ClusterFeatures(has_lws=True)),
+    ({**BASE, "lora": {"maxAdapters": 2, "maxRank": 32, "maxCpuAdapters": 4}}, ClusterFeatures()),
 ]
 RANK_ENV = {
     "TIDEPOOL_NODE_RANK": "1",
@@ -108,6 +110,8 @@ def test_parser_has_exactly_the_tables_flag(flag: ServeFlag) -> None:
         assert f"--no-{flag.name}" in action.option_strings
     elif flag.kind == "switch":
         assert action.nargs == 0 and action.default is False
+    elif flag.kind == "list":
+        assert action.nargs == "+" and action.type is str
     else:
         assert action.type.__name__ == {"int": "int", "float": "float"}.get(flag.kind, "str")  # bounds: below
 

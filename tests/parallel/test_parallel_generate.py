@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from tidepool.contract.wire import CONTROL_KEY_FILE_ENV
 from tidepool.engine import LLM, SamplingParams
 from tidepool.engine.distributed.executor import WorkerFailedError
 from tidepool.engine.distributed.launch import free_port
@@ -161,9 +162,11 @@ def test_tp2_pp2_matches_single_process(parallel_llm: LLM, reference: dict[str, 
 
 
 def test_pp2_over_two_nodes_matches_single_process(
-    tiny_model_dir: Path, reference: dict[str, Any], tmp_path: Path
+    tiny_model_dir: Path, reference: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """2-stage PP as two "nodes": this process (driver, stage 0) and `tidepool serve --node-rank 1` (stage 1)."""
+    (tmp_path / "control-key").write_bytes(os.urandom(32))  # both nodes read it, as from a mounted Secret
+    monkeypatch.setenv(CONTROL_KEY_FILE_ENV, str(tmp_path / "control-key"))
     port = free_port()
     tidepool = Path(sys.executable).with_name("tidepool")
     node1 = subprocess.Popen(

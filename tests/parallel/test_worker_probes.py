@@ -2,18 +2,21 @@
 
 The operator renders one pod template for every rank of a `tensor 2 x pipeline 2` replica (two pods,
 two ranks each). Here both "pods" run on this machine as real `tidepool serve` processes started
-from the rendered container args; only what the kubelet and the pod's volumes would provide is
-substituted ($(VAR)s, the model path) plus a distinct local port per pod, since both share this
-host. The rendered probes then run as the kubelet runs them (HTTP GET on the container port the
-probe names; 200-399 passes, any other status or no answer fails) against the worker pod, whose
-process serves no API: before its group forms, while it serves, and after the leader is SIGKILLed.
+from the rendered container args and the control channel's key env; only what the kubelet and the
+pod's volumes would provide is substituted ($(VAR)s, the model path, the key file the pool's Secret
+volume holds) plus a distinct local port per pod, since both share this host. The rendered probes
+then run as the kubelet runs them (HTTP GET on the container port the probe names; 200-399 passes,
+any other status or no answer fails) against the worker pod, whose process serves no API: before its
+group forms, while it serves, and after the leader is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -27,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tidepool.contract.wire import CONTROL_KEY_FILE_ENV
 from tidepool.engine.distributed.health import NodeHealth, serve_health
 from tidepool.engine.distributed.launch import free_port
 from tidepool.operator.builders import ClusterFeatures, ServiceView, desired_state
@@ -126,6 +130,19 @@ def pod_argv(container: dict[str, Any], rank: int, model: Path, port: int, maste
     return [str(tidepool), *container["command"][1:], *args]
 
 
+def pod_env(container: dict[str, Any], volumes: Path) -> dict[str, str]:
+    """What the ranks need from the rendered env: the control channel's key file, placed under
+    `volumes`/<volume name> where the pod's Secret volume would hold it (a fresh key stands in for the one the
+    operator draws when it creates the Secret)."""
+    rendered = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    key_file = rendered[CONTROL_KEY_FILE_ENV]
+    (mount,) = [m for m in container["volumeMounts"] if key_file.startswith(m["mountPath"] + "/")]
+    local = volumes / mount["name"] / posixpath.relpath(key_file, mount["mountPath"])
+    local.parent.mkdir(parents=True)
+    local.write_text(secrets.token_urlsafe(32))
+    return {CONTROL_KEY_FILE_ENV: str(local)}
+
+
 def kubelet_probe(container: dict[str, Any], name: str, local_port: int) -> bool:
     probe = container[name]["httpGet"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -160,7 +177,7 @@ def test_worker_rank_passes_the_rendered_probes_exactly_while_healthy(
 ) -> None:
     container = rendered_rank_pod()
     leader_port, worker_port, master_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **pod_env(container, tmp_path / "volumes")}
     logs = [tmp_path / "leader.log", tmp_path / "worker.log"]
 
     def start(rank: int, port: int) -> subprocess.Popen[bytes]:

