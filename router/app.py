@@ -10,6 +10,14 @@ makes the pool scale up from zero), `/metrics` (the router's own metrics), `/deb
 
 Background tasks, started with the app and cancelled at shutdown: discovery (static or
 Kubernetes) and the health checker. The router never loads a model and never imports torch.
+
+API keys (`RouterConfig.api_keys`, tidepool.common.api_key): every path but `/health`, `/ready` and
+`/metrics` needs one of the keys. A client's `Authorization` (or `x-api-key`) is forwarded to the
+engines unchanged (the engines of one service hold the same keys); the router's own calls to
+engines (health probes, model lists) send its first key.
+
+Shutdown (`drain`, run by tidepool.common.graceful's server on SIGTERM): `/ready` turns 503, new
+requests are answered 503 `draining`, in-flight ones (streams included) get `drain_timeout_s` to end.
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidepool.common.api_key import ApiKeyAuth, ApiKeyMiddleware, ApiKeys
+from tidepool.common.graceful import Drain, DrainGate
+
 from .discovery import KubernetesDiscovery, StaticDiscovery
 from .health import HealthChecker
 from .lora import merge_model_lists
@@ -37,7 +48,7 @@ from .metrics import RouterMetrics
 from .policy import HotThresholds, make_policy
 from .pool import Endpoint, NoReplicaError, Pool
 from .proxy import Proxy, ProxySettings
-from .upstream import REPLICA_HEADER, error_response
+from .upstream import FORWARDED_HEADERS, REPLICA_HEADER, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +70,8 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # between two bytes of an answer: a long prefill counts here
     max_connections: int = 1000
+    api_keys: ApiKeys | None = None  # None: no key needed
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long in-flight requests get to finish
 
 
 @dataclass(slots=True)
@@ -68,6 +81,7 @@ class RouterState:
     metrics: RouterMetrics
     proxy: Proxy | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    drain: Drain = field(default_factory=Drain)
 
 
 def build_app(config: RouterConfig) -> FastAPI:
@@ -84,6 +98,9 @@ def build_app(config: RouterConfig) -> FastAPI:
     state = RouterState(config, pools, RouterMetrics(pools.values()))
     app = FastAPI(title="Tidepool router", lifespan=_lifespan(state))
     app.state.router = state
+    app.add_middleware(DrainGate, drain=state.drain)  # type: ignore[arg-type]
+    if config.api_keys is not None:  # added last: outermost, so a request without a key is refused first
+        app.add_middleware(ApiKeyMiddleware, keys=config.api_keys)  # type: ignore[arg-type]
     _add_error_handlers(app)
     _add_probe_routes(app, state)
     _add_models_route(app, state)
@@ -99,7 +116,9 @@ def _lifespan(state: RouterState) -> Callable[[FastAPI], AbstractAsyncContextMan
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=100)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        # Requests that carry no key of their own (the router's probes and model lists) send the router's first key.
+        auth = ApiKeyAuth(config.api_keys) if config.api_keys is not None else None
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, auth=auth) as client:
             state.proxy = Proxy(pools, client, state.metrics, config.proxy)
             health = HealthChecker(pools.values(), client, config.health_interval_s, config.health_timeout_s)
 
@@ -142,6 +161,8 @@ def _add_probe_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/ready")
     async def ready() -> Response:
+        if state.drain.is_draining:
+            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         return JSONResponse({"ready": True})
 
     @app.get("/metrics")
@@ -173,7 +194,7 @@ def _add_models_route(app: FastAPI, state: RouterState) -> None:
     (LoRA adapters held by some replicas only) added; a replica that fails to answer only leaves its own out."""
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(raw: Request) -> Response:
         assert state.proxy is not None  # set by the lifespan before any request is served
         pool = state.proxy.serving_pool
         deadline = time.monotonic() + state.config.proxy.hold_timeout_s
@@ -182,10 +203,12 @@ def _add_models_route(app: FastAPI, state: RouterState) -> None:
         except NoReplicaError as err:
             return error_response(503, f"{err}; retry later", "service_unavailable", "no_ready_replica")
         client = state.proxy.client
+        headers = {name: raw.headers[name] for name in FORWARDED_HEADERS if name in raw.headers}  # the client's key
         others = [r for r in pool.ready() if r is not replica]
         try:
             upstream, *extra = await asyncio.gather(
-                client.get(f"{replica.url}/v1/models"), *(_model_list(client, r.url) for r in others)
+                client.get(f"{replica.url}/v1/models", headers=headers),
+                *(_model_list(client, r.url, headers) for r in others),
             )
         except httpx.HTTPError as err:
             return error_response(502, f"{replica.label}: {err!r}", "bad_gateway", "upstream_failed")
@@ -199,10 +222,10 @@ def _add_models_route(app: FastAPI, state: RouterState) -> None:
         return Response(content, upstream.status_code, {REPLICA_HEADER: replica.label}, media_type="application/json")
 
 
-async def _model_list(client: httpx.AsyncClient, url: str) -> Any:
+async def _model_list(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> Any:
     """A replica's `/v1/models` JSON, or None when it does not answer one."""
     try:
-        response = await client.get(f"{url}/v1/models")
+        response = await client.get(f"{url}/v1/models", headers=headers)
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -233,6 +256,18 @@ def _add_proxied_routes(app: FastAPI, state: RouterState) -> None:
 
     for path in PROXIED_PATHS:
         proxy_route(path)
+
+
+async def drain(app: FastAPI) -> None:
+    """Readiness false, new requests 503 `draining`; in-flight ones (streams too) get the grace period."""
+    state: RouterState = app.state.router
+    state.drain.start()
+    timeout = state.config.drain_timeout_s
+    logger.info("draining: %d request(s) in flight, grace period %g s", state.drain.num_inflight, timeout)
+    if await state.drain.wait_drained(timeout):
+        logger.info("drained")
+    else:
+        logger.warning("stopping with %d request(s) still in flight", state.drain.num_inflight)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

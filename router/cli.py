@@ -3,7 +3,14 @@
 Unified pool: `--unified-url URL` (repeatable) or `--discovery kubernetes --namespace NS
 --unified-service NAME`. Disaggregated: `--prefill-url URL --decode-url URL,kv=HOST:PORT`
 or `--prefill-service NAME --decode-service NAME`. Bad flags exit 2 with a message naming
-the flag. SIGTERM/SIGINT stop uvicorn (in-flight requests get its graceful-shutdown time).
+the flag.
+
+API keys: `--api-key` / `--api-key-file` / $TIDEPOOL_API_KEY, the flags of `tidepool serve` (from the
+serve-flag table's AUTH_FLAGS, read by tidepool.common.api_key).
+
+SIGTERM/SIGINT drain (tidepool.common.graceful): `/ready` 503, new requests 503 `draining`, in-flight
+ones get `--drain-timeout` seconds (the serve flag's default), then the process exits 0; a second
+signal stops waiting (uvicorn then gives what is left its short graceful-shutdown time).
 """
 
 from __future__ import annotations
@@ -14,11 +21,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .app import RouterConfig, build_app
+from tidepool.common.api_key import ApiKeys
+from tidepool.contract import serve_flags
+
+from .app import RouterConfig, build_app, drain
 from .discovery import SA_DIR, KubernetesConfig, KubernetesDiscovery, StaticDiscovery, parse_static_url
 from .policy import POLICIES, HotThresholds
 from .pool import Endpoint
 from .proxy import ProxySettings
+
+# uvicorn's own wait for connections once the drain is over: after a full drain only idle keep-alive
+# connections are left; after a second signal, what is still streaming is cut after this long.
+_GRACEFUL_SHUTDOWN_S = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="0.0.0.0")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--access-log", action="store_true")
+    drain_flag = serve_flags.FLAGS["drain-timeout"]
+    srv.add_argument(drain_flag.option, type=float, default=drain_flag.default, help=drain_flag.help)
+    serve_flags.add_to_parser(parser, serve_flags.AUTH_FLAGS)
     return parser
 
 
@@ -74,6 +91,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         ("--hot-max-waiting", args.hot_max_waiting),
         ("--hot-load-ratio", args.hot_load_ratio),
         ("--hot-load-slack", args.hot_load_slack),
+        ("--drain-timeout", args.drain_timeout),
     ):
         if value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
@@ -141,6 +159,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         eject_s=args.eject_seconds,
         connect_timeout_s=args.connect_timeout,
         read_timeout_s=args.read_timeout,
+        api_keys=ApiKeys.from_flags(args.api_key, args.api_key_file),  # ApiKeyError is a ValueError naming the flag
+        drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -166,20 +186,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    from tidepool.common.graceful import DrainingServer
     from tidepool.common.tcp_tuning import http_protocol
 
     app = build_app(config)
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_config=None,
         access_log=args.access_log,
         http=http_protocol(),
-        timeout_graceful_shutdown=10,
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
     )
-    return 0
+    server = DrainingServer(uv_config, lambda: drain(app), app.state.router.drain.hurry)
+    server.run()  # a port that cannot be bound: uvicorn logs it and exits 1
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

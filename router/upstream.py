@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 T = TypeVar("T")
 
-FORWARDED_HEADERS = ("authorization", "x-request-id")  # client -> replica
+FORWARDED_HEADERS = ("authorization", "x-api-key", "x-request-id")  # client -> replica (its API key unchanged)
 RELAYED_HEADERS = ("retry-after", "x-request-id")  # replica -> client
 REPLICA_HEADER = "x-tidepool-replica"  # the replica that answered (host:port), for clients and tests
 CLIENT_CLOSED = 499  # nginx's status for "client closed request": recorded, never seen by a client

@@ -16,6 +16,9 @@ waits for the in-flight ones up to the grace period, then aborts the rest, which
 second signal (`hurry`) ends the wait at once the same way. If the engine thread dies, or the
 model fails to load, `on_fatal` makes the process exit non-zero so that it is restarted.
 
+API keys (`--api-key`, tidepool.common.api_key): when set, every path but the probes, `/metrics` and
+`/version` answers 401 without a valid key, the LoRA admin endpoints and `/debug/kv` included.
+
 Invariants: every error body has OpenAI's `{"error": {"message", "type", "param", "code"}}`
 shape and is rendered with non-ASCII escaped, so no client input can make rendering fail; the
 request gate (gate.py) counts a request in flight from its complete body to its last byte.
@@ -39,6 +42,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidepool.common.api_key import ApiKeyMiddleware, ApiKeys
+
 from . import lora_admin, tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes
@@ -56,12 +61,15 @@ logger = logging.getLogger(__name__)
 _ABORT_WAIT_S = 5.0  # after aborting, how long the drain waits for the aborted requests to be answered
 
 
-def build_app(config: ServerConfig) -> FastAPI:
-    """The server's app: the request gate in front, the routes by family, the model loading in the background."""
+def build_app(config: ServerConfig, api_keys: ApiKeys | None = None) -> FastAPI:
+    """The server's app: the API-key check (with `api_keys`) and the request gate in front, the routes by family,
+    the model loading in the background."""
     state = ServerState(config)
     app = FastAPI(title="Tidepool", lifespan=_lifespan(state))
     app.state.tidepool = state
     app.add_middleware(RequestGate, state=state)  # type: ignore[arg-type]
+    if api_keys is not None:  # added last: outermost, so a request without a key learns nothing, not even "loading"
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)  # type: ignore[arg-type]
     _add_error_handlers(app)
     _add_probe_routes(app, state)
     _add_info_routes(app, state)

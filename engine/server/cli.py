@@ -10,20 +10,24 @@ within `--drain-timeout`, the rest are aborted and told so) and then stops uvico
 exits 0. A second signal aborts what is still in flight at once, each request still answered (a
 503, or an error event and `[DONE]` on a stream), and exits 0. A model that fails to load, an
 engine thread that dies, or a port that cannot be bound (one line on stderr) exit 1.
+(The signal handling is shared with the router: tidepool.common.graceful.)
+
+`--api-key` (repeatable), `--api-key-file` or $TIDEPOOL_API_KEY make every path but the probes and
+/metrics answer 401 without one of the keys (tidepool.common.api_key); a key file that cannot be
+read, or holds no key, exits 2 before the model loads.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import socket
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import Any
 
+from tidepool.common.api_key import ApiKeys
 from tidepool.contract import serve_flags
 
 logger = logging.getLogger(__name__)
@@ -54,12 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = _server_config(args)
+        api_keys = ApiKeys.from_flags(args.api_key, args.api_key_file)  # a bad key file exits 2 before loading
         if args.node_rank != 0:  # a worker-only node: no HTTP, no scheduler; exits when the group shuts down
             return _run_worker_node(config.engine, args.node_rank, args.host, args.port)
     except ValueError as err:
         print(f"tidepool serve: error: {err}", file=sys.stderr)
         return 2
-    return serve(config, args.host, args.port, access_log=args.access_log)
+    return serve(config, args.host, args.port, access_log=args.access_log, api_keys=api_keys)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -134,9 +139,10 @@ def _run_worker_node(engine: Any, node_rank: int, host: str, port: int) -> int:
     return run_worker_node(engine, ParallelConfig.from_engine(engine), node_rank, health_address=(host, port))
 
 
-def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
+def serve(config: Any, host: str, port: int, access_log: bool = False, api_keys: ApiKeys | None = None) -> int:
     import uvicorn
 
+    from tidepool.common.graceful import DrainingServer
     from tidepool.common.tcp_tuning import http_protocol
 
     from .app import build_app, drain
@@ -146,36 +152,8 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
     except OSError as err:
         print(f"tidepool serve: error: cannot listen on {host}:{port}: {err.strerror or err}", file=sys.stderr)
         return 1
-    app = build_app(config)
+    app = build_app(config, api_keys)
     state = app.state.tidepool
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn, except that SIGTERM/SIGINT drain before stopping and are not re-raised at exit.
-
-        The first signal starts the drain; a second one makes it abort what is left at once (every
-        request still gets its answer); one after the drain has finished stops uvicorn at once.
-        """
-
-        drain_task: asyncio.Task[None] | None = None
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # Signal handlers run between bytecodes of the loop's thread: hand the work to the loop.
-            loop = asyncio.get_running_loop()
-            if self.drain_task is None and not self.should_exit:
-                logger.info("signal %d: draining before exit", sig)
-                loop.call_soon_threadsafe(self._start_drain, loop)
-            elif not self.should_exit:
-                logger.warning("signal %d again: aborting the requests still in flight", sig)
-                loop.call_soon_threadsafe(state.hurry.set)
-            else:
-                self.force_exit = True
-
-        def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
-            self.drain_task = loop.create_task(self._drain())
-
-        async def _drain(self) -> None:
-            await drain(app)
-            self.should_exit = True
 
     uv_config = uvicorn.Config(
         app,
@@ -187,7 +165,8 @@ def serve(config: Any, host: str, port: int, access_log: bool = False) -> int:
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
     )
-    server = DrainingServer(uv_config)
+    # The first signal drains (app.drain), a second aborts what is left at once, every request still answered.
+    server = DrainingServer(uv_config, lambda: drain(app), state.hurry.set)
 
     def on_fatal() -> None:
         server.should_exit = True

@@ -111,9 +111,15 @@ def test_every_read_is_acked_at_once(live: tuple[uvicorn.Server, int]) -> None:
 
 
 def test_router_runs_uvicorn_with_the_tuned_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tidepool.common.graceful import DrainingServer
     from tidepool.router import cli as router_cli
 
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: seen.update(kwargs))
+
+    def run(server: DrainingServer, sockets: Any = None) -> None:  # the router's uvicorn, stopped before it serves
+        seen["http"] = server.config.http
+        server.started = True
+
+    monkeypatch.setattr(DrainingServer, "run", run)
     assert router_cli.main(["--unified-url", "http://127.0.0.1:9", "--port", "0"]) == 0
     assert seen["http"] is http_protocol()
