@@ -86,12 +86,17 @@ class MessageType(IntEnum):
     HELLO = 1
     READY = 2
     ERROR = 3
+    KV_LISTEN = 4  # a decode worker's KV receiver address (before READY)
+    KV_STORED = 5  # a decode worker holds its whole slab of a transfer
     # driver -> worker
     INIT_KV = 16
     FORWARD = 17
     LOGITS = 18
     SHUTDOWN = 19
     LORA_SLOT = 20
+    KV_SEND = 21  # prefill: push this rank's KV of these blocks to the decode engine at addr
+    KV_FILL = 22  # decode: write the transfer's slab into these blocks
+    KV_DROP = 23  # decode: forget the transfer's slab
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,12 @@ SCHEMAS: Mapping[MessageType, Mapping[str, str]] = {
     MessageType.HELLO: {"rank": "int", "pid": "int", "host": "str"},
     MessageType.READY: {"rank": "int"},
     MessageType.ERROR: {"rank": "int", "text": "str"},
+    # P/D hand-off with tensor/pipeline parallelism (engine/kv_transfer/ranks.py); host "" = the driver's node.
+    MessageType.KV_LISTEN: {"rank": "int", "host": "str", "port": "int"},
+    MessageType.KV_STORED: {"rank": "int", "transfer_id": "str"},
+    MessageType.KV_SEND: {"transfer_id": "str", "block_ids": "ints", "addr": "str"},
+    MessageType.KV_FILL: {"transfer_id": "str", "block_ids": "ints"},
+    MessageType.KV_DROP: {"transfer_id": "str"},
     MessageType.INIT_KV: {"num_blocks": "int"},
     MessageType.FORWARD: {
         "input_ids": "tensor",

@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .distributed.executor import MultiprocExecutor
 from .engine_config import CPU_KV_CACHE_BYTES, EngineConfig, ResolvedConfig, check_kv_capacity, resolve, resolve_model
 from .kv_cache import KVCacheManager
-from .kv_transfer import KVConnector
+from .kv_transfer import KVConnector, check_handoff_config
 from .kv_transfer.handoff import KVHandoff
 from .layers.linear import uses_compiled_gemv
 from .loading.formats import detect_format, read_model_config
@@ -70,6 +70,7 @@ class EngineParts:
 def build_engine(config: EngineConfig) -> EngineParts:
     clock = StartupClock(IMPORT_S)
     config = resolve_model(config)  # catalogue names, GGUF folders -> the folder or file to load
+    check_handoff_config(config.role, config.kv_port, config.tensor_parallel_size * config.pipeline_parallel_size)
     check_sparsity_request(config.model, config.sparsity, config.quantization)  # --sparsity 2:4 of a dense model
     if config.quantization is not None:
         quantized = prepare_quantized(config.model, config.quantization)
@@ -123,13 +124,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     )
     speculator = Speculator.build(config.speculative_config, ctx) if config.speculative_config is not None else None
     handoff = None
-    if config.role != "unified":
-        if executor is not None:
-            raise ValueError(
-                f"role={config.role!r} needs tensor_parallel_size=pipeline_parallel_size=1 for now "
-                "(each rank would ship its own KV shard); run prefill and decode engines without TP/PP"
-            )
-        handoff = KVHandoff.build(config.role, config.kv_port, config.kv_transfer_timeout, ctx)
+    if config.role != "unified":  # with TP/PP every rank ships its own KV slab (kv_transfer/ranks.py)
+        handoff = KVHandoff.build(config.role, config.kv_port, config.kv_transfer_timeout, ctx, executor)
     hooks: list[StepHook] = [hook for hook in (handoff, speculator) if hook is not None]
     clock.mark("features")
     logger.info("start-up phases (s): %s", clock.summary(), extra={"startup_phases": clock.phases})

@@ -22,6 +22,11 @@ Design (rank 0 = driver = this process; see `parallel_state` for the rank layout
   timeout (TIDEPOOL_DIST_TIMEOUT_S) bounds anything else. Never a hang, never an orphan:
   `shutdown()` (also run at interpreter exit) joins, terminates, then kills local workers;
   remote workers exit when the control channel closes.
+- P/D hand-off (engine/kv_transfer/ranks.py): decode workers announce their KV receiver (KV_LISTEN,
+  collected in `kv_addrs` before READY) and each complete slab (KV_STORED, passed by the monitor thread
+  to `on_kv_stored`); any other message a worker sends outside a command is its failure. Commands may
+  come from the engine thread and from the KV receiver's threads (KV_DROP): `broadcast` sends each
+  frame whole under a lock.
 When tp == pp == 1 none of this exists: the engine loads the model in-process as before.
 """
 
@@ -35,6 +40,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -52,7 +58,7 @@ from .launch import free_port, spawn_workers, stop_processes
 from .lora_tp import attach_rank_slots, mirror_fills
 from .parallel_state import JOIN_TIMEOUT_S, ParallelConfig, RankInfo, destroy_groups, init_groups, partition_layers
 from .pp import StageModel
-from .tp import check_tp, local_kv_heads
+from .tp import check_tp, check_tp_weights, local_kv_heads
 from .worker import load_stage
 
 logger = logging.getLogger(__name__)
@@ -98,12 +104,11 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, rc: ResolvedConfig) -> None:
         parallel = ParallelConfig.from_engine(config)
         parallel.validate()
-        if config.role != "unified":
-            raise ValueError(
-                f"role={config.role!r} (P/D disaggregation) does not support tensor/pipeline parallelism yet; "
-                "use tensor_parallel_size=1 and pipeline_parallel_size=1"
-            )
+        check_tp_weights(parallel.tensor_parallel_size, config.quantization)
         self.parallel = parallel
+        self.kv_addrs: list[tuple[str, int]] = []  # decode role: ranks 1.. KV receivers (host "" = this node)
+        self.on_kv_stored: Callable[[int, str], None] | None = None
+        self._send_lock = threading.Lock()
         self.info = RankInfo(0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         model_config = read_model_config(config.model)
         check_tp(model_config, parallel.tensor_parallel_size)
@@ -196,17 +201,22 @@ class MultiprocExecutor:
     def _wait_ready(self) -> None:
         # No deadline: loading a large shard takes as long as it takes; a dead rank is noticed at once.
         waiting = dict(self._workers.conns)
+        kv_addrs: dict[int, tuple[str, int]] = {}
         while waiting:
             self._check_started()
             for conn in wait(list(waiting.values()), timeout=1.0):
                 rank = next(r for r, c in waiting.items() if c is conn)
                 try:
-                    message = comm.recv(conn, MessageType.READY, MessageType.ERROR)
+                    message = comm.recv(conn, MessageType.READY, MessageType.ERROR, MessageType.KV_LISTEN)
                 except (EOFError, OSError, WireError) as err:
                     raise WorkerFailedError(f"worker rank {rank} closed its connection while loading: {err}") from err
                 if message.type == MessageType.ERROR:
                     raise WorkerFailedError(f"worker rank {rank} failed while loading:\n{message.fields['text']}")
+                if message.type == MessageType.KV_LISTEN:
+                    kv_addrs[rank] = (message.fields["host"], message.fields["port"])
+                    continue
                 del waiting[rank]
+        self.kv_addrs = [kv_addrs[rank] for rank in sorted(kv_addrs)]
 
     # ---- monitoring -----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -218,19 +228,31 @@ class MultiprocExecutor:
                 if obj == workers.wake_r:
                     return
                 rank = by_object[obj]
-                self._record_failure(rank, obj if isinstance(obj, Connection) else None)
+                if isinstance(obj, Connection):
+                    detail = self._read_notice(rank, obj)
+                    if detail == "":
+                        continue  # a notice, handled
+                    self._record_failure(rank, detail)
+                else:
+                    self._record_failure(rank, None)
                 return
 
-    def _record_failure(self, rank: int, conn: Connection | None) -> None:
-        detail = None
-        if conn is not None:
-            try:
-                message = comm.recv(conn, MessageType.ERROR)
-                detail = f"raised:\n{message.fields['text']}"
-            except WireError as err:
-                detail = f"sent a malformed control frame ({err})"
-            except (EOFError, OSError):
-                pass
+    def _read_notice(self, rank: int, conn: Connection) -> str | None:
+        """Handle what a worker sent outside a command: "" for a KV notice, else its failure (None: it is gone)."""
+        try:
+            message = comm.recv(conn, MessageType.ERROR, MessageType.KV_STORED)
+        except WireError as err:
+            return f"sent a malformed control frame ({err})"
+        except (EOFError, OSError):
+            return None
+        if message.type == MessageType.ERROR:
+            return f"raised:\n{message.fields['text']}"
+        if self.on_kv_stored is None:
+            return "sent a KV notice to an engine that runs no P/D hand-off"
+        self.on_kv_stored(rank, message.fields["transfer_id"])
+        return ""
+
+    def _record_failure(self, rank: int, detail: str | None) -> None:
         proc = self._workers.procs.get(rank)
         if detail is None and proc is not None:
             proc.join(_ATTRIBUTE_WAIT_S)
@@ -261,9 +283,10 @@ class MultiprocExecutor:
     # ---- commands -------------------------------------------------------------------------------
     def broadcast(self, kind: MessageType, ranks: list[int] | None = None, **fields: Any) -> None:
         payload = comm.encode(kind, **fields)
-        for rank, conn in self._workers.conns.items():
-            if ranks is None or rank in ranks:
-                comm.send_bytes(conn, payload)
+        with self._send_lock:
+            for rank, conn in self._workers.conns.items():
+                if ranks is None or rank in ranks:
+                    comm.send_bytes(conn, payload)
 
     def command(self, kind: MessageType, ranks: list[int] | None = None, **fields: Any) -> None:
         """`broadcast` outside a step: a recorded worker failure, or a send to a dead worker, raises

@@ -52,12 +52,23 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         raise ValueError(f"tensor_parallel_size={tp} must divide intermediate_size={config.intermediate_size}")
 
 
+def check_tp_weights(tp: int, quantization: str | None) -> None:
+    """Raise ValueError when the weights cannot be split `tp` ways before anything loads (the CRD's twin rule:
+    operator/api/rules.py, "parallelism.tensor > 1 needs model.quantization none")."""
+    if tp > 1 and quantization is not None:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with quantization={quantization!r}: tensor parallelism splits only "
+            "unquantized layers; run a quantized model with tensor_parallel_size=1"
+        )
+
+
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:
     """KV heads each rank holds (and caches): a split, or one replica when kv heads < tp."""
     return max(num_kv_heads // tp, 1)
 
 
-def _kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
+def kv_head_range(num_kv_heads: int, tp: int, tp_rank: int) -> range:
+    """The KV heads tensor rank `tp_rank` of `tp` caches (global head indices; see `local_kv_heads`)."""
     if num_kv_heads % tp == 0:
         per = num_kv_heads // tp
         return range(tp_rank * per, (tp_rank + 1) * per)
@@ -97,7 +108,7 @@ class TPShard:
         cls, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, tp: int, tp_rank: int
     ) -> TPShard:
         local_heads = num_heads // tp
-        kv_range = _kv_head_range(num_kv_heads, tp, tp_rank)
+        kv_range = kv_head_range(num_kv_heads, tp, tp_rank)
         local_inter = intermediate_size // tp
         return cls(
             slice(tp_rank * local_heads * head_dim, (tp_rank + 1) * local_heads * head_dim),

@@ -12,6 +12,9 @@ messages of `contract/wire.py` (no pickle):
   sends the final hidden states to the driver unless the driver is on the last stage itself (pp == 1).
 - LORA_SLOT(slot, modules...): fill or clear this rank's shard of a LoRA slot (`lora_tp`).
 - LOGITS(hidden): last-stage ranks send their vocabulary shard of the logits to rank 0.
+- KV_SEND / KV_FILL / KV_DROP: this rank's part of a P/D hand-off (engine/kv_transfer/ranks.py); a
+  decode rank announces its KV receiver (KV_LISTEN, before READY) and each complete slab (KV_STORED,
+  from a receiver thread: sends on the channel are serialised by a lock).
 - SHUTDOWN: leave the group and exit 0.
 
 A worker never outlives its group: the control socket closing (the driver exited or was
@@ -43,6 +46,7 @@ from tidepool.contract.wire import MessageType
 
 from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
+from ..kv_transfer.ranks import WorkerKV, address_towards, engine_layout
 from ..loading.formats import read_model_config
 from ..loading.loader import load_model
 from . import comm
@@ -54,7 +58,10 @@ from .tp import check_tp, local_kv_heads
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 1.0
-_COMMANDS = (MessageType.FORWARD, MessageType.LOGITS, MessageType.INIT_KV, MessageType.LORA_SLOT, MessageType.SHUTDOWN)
+_COMMANDS = (
+    MessageType.FORWARD, MessageType.LOGITS, MessageType.INIT_KV, MessageType.LORA_SLOT, MessageType.SHUTDOWN,
+    MessageType.KV_SEND, MessageType.KV_FILL, MessageType.KV_DROP,
+)  # fmt: skip
 
 
 @dataclass(slots=True, frozen=True)
@@ -139,11 +146,36 @@ class _Worker:
         self.info = RankInfo(args.rank, args.parallel.tensor_parallel_size, args.parallel.pipeline_parallel_size)
         self.conn: Connection | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv: WorkerKV | None = None
+        self._send_lock = threading.Lock()  # the command loop and KV receiver threads both write to the driver
 
     def report_error(self, text: str) -> None:
         if self.conn is not None:
             with contextlib.suppress(OSError):  # the driver may be gone already
-                comm.send(self.conn, MessageType.ERROR, rank=self.args.rank, text=text)
+                self._send(MessageType.ERROR, rank=self.args.rank, text=text)
+        if self.kv is not None:
+            self.kv.close()
+
+    def _send(self, kind: MessageType, **fields: Any) -> None:
+        if self.conn is None:
+            raise RuntimeError("the control channel is not connected yet")
+        with self._send_lock:
+            comm.send(self.conn, kind, **fields)
+
+    def _start_kv(self, config: EngineConfig, rc: ResolvedConfig) -> None:
+        """A P/D engine's rank: a sender (prefill) or an announced receiver (decode)."""
+        args, info = self.args, self.info
+        layout = engine_layout(self.model_config, config.block_size, self.model_config.torch_dtype, info.tp_size,
+                               info.pp_size)  # fmt: skip
+        on_driver_node = args.rank < args.parallel.num_local_ranks
+        host = "" if on_driver_node else address_towards(args.master_addr)
+
+        def notify(transfer_id: str) -> None:  # from a receiver thread, once this rank holds its whole slab
+            self._send(MessageType.KV_STORED, rank=args.rank, transfer_id=transfer_id)
+
+        self.kv = WorkerKV(config, self.model_config, args.rank, layout, rc.max_model_len, notify, host)
+        if self.kv.listen_port is not None:
+            self._send(MessageType.KV_LISTEN, rank=args.rank, host=host, port=self.kv.listen_port)
 
     def run(self) -> None:
         args, info = self.args, self.info
@@ -160,14 +192,20 @@ class _Worker:
         tp_group = init_groups(store, info, self.device)
         self.stage, self.model_config = load_stage(config, rc, info, tp_group, self.device)
         self.lora_slots = attach_rank_slots(config, self.model_config, self.stage, rc.dtype, self.device)
+        if config.role != "unified":
+            self._start_kv(config, rc)
         logger.info(
             "rank %d ready: stage %d (%d layers), tp rank %d, %s",
             info.rank, info.pp_rank, self.stage.num_local_layers, info.tp_rank, self.device,
         )  # fmt: skip
-        comm.send(self.conn, MessageType.READY, rank=args.rank)
+        self._send(MessageType.READY, rank=args.rank)
         if args.ready is not None:
             args.ready.set()
-        self._loop()
+        try:
+            self._loop()
+        finally:
+            if self.kv is not None:
+                self.kv.close()
         destroy_groups()
 
     @torch.inference_mode()
@@ -191,12 +229,26 @@ class _Worker:
                 if self.lora_slots is None:
                     raise RuntimeError("LORA_SLOT for a worker started without enable_lora")
                 apply_slot_message(self.lora_slots, fields)
+            elif kind in (MessageType.KV_SEND, MessageType.KV_FILL, MessageType.KV_DROP):
+                self._kv_command(kind, fields)
             elif kind == MessageType.SHUTDOWN:
                 return
+
+    def _kv_command(self, kind: MessageType, fields: dict[str, Any]) -> None:
+        if self.kv is None:
+            raise RuntimeError(f"{kind.name} for a worker whose engine runs --role unified")
+        if kind == MessageType.KV_SEND:
+            self.kv.send(self.kv_caches, fields["transfer_id"], fields["block_ids"], fields["addr"])
+        elif kind == MessageType.KV_FILL:
+            self.kv.fill(self.kv_caches, fields["transfer_id"], fields["block_ids"])
+        else:
+            self.kv.drop(fields["transfer_id"])
 
     def _init_kv(self, num_blocks: int) -> None:
         shape = kv_cache_shape(self.model_config, num_blocks, self.args.engine.block_size, self.info.tp_size)
         self.kv_caches = self._zeros_cache(shape)
+        if self.kv is not None:
+            self.kv.set_cache_blocks(num_blocks)
 
     def _zeros_cache(self, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dtype = self.model_config.torch_dtype

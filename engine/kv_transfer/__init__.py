@@ -6,31 +6,40 @@ the decode engine at `decode_kv_addr`), `decode` (a request carrying a received 
 is admitted with that KV in freshly allocated blocks and continues from the first token).
 The router drives the hand-off (see `tidepool.router`): it generates the transfer id,
 sends the request to a prefill replica with `max_tokens=1`, then to a decode replica, whose
-response goes to the client. `KVConnector` is the interface; `tcp` the implementation today.
+response goes to the client. `KVConnector` is the driver's transport (`sender.py` on prefill,
+`tcp.py` on decode). With tensor/pipeline parallelism each rank holds a slab of the KV and each
+prefill rank pushes its own pieces to the decode ranks that cache them (layout.py, ranks.py); the
+decode driver's `--kv-port` answers for the engine and its rank r listens on `--kv-port` + r.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from .protocol import KVGeometry, KVPayload, KVTransferError
-from .tcp import KVReceiver, KVSender, parse_addr
+from .layout import KVLayout
+from .protocol import DTYPES, FrameLimits, KVPayload, KVTransferError, Manifest
+from .sender import KVSender
+from .tcp import KVReceiver, parse_addr
 
 KVRole = Literal["unified", "prefill", "decode"]
 
 __all__ = [
     "ConsumerParams",
     "KVConnector",
-    "KVGeometry",
+    "KVLayout",
     "KVPayload",
     "KVRole",
     "KVTransferError",
+    "Manifest",
     "ProducerParams",
+    "check_handoff_config",
     "gather_kv",
     "parse_kv_transfer_params",
+    "rank_limits",
     "scatter_kv",
 ]
 
@@ -85,16 +94,49 @@ def scatter_kv(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: li
         v_cache.index_copy_(0, index, kv[layer, 1])
 
 
+def check_handoff_config(role: str, kv_port: int, world_size: int) -> None:
+    """What a P/D engine refuses before loading anything (the examples test runs it on the operator's args)."""
+    if role == "unified":
+        return
+    if kv_port and kv_port + world_size - 1 > 65535:
+        raise ValueError(
+            f"kv_port={kv_port} with {world_size} ranks: rank r listens on kv_port + r, past 65535; lower --kv-port"
+        )
+
+
+def rank_limits(layout: KVLayout, rank: int, max_blocks: int, vocab_size: int) -> FrameLimits:
+    """What decode rank `rank` accepts: its slab, its geometry, at most `max_blocks` blocks per transfer."""
+    if layout.dtype not in DTYPES:
+        raise ValueError(f"KV transfers support dtypes {sorted(DTYPES)}, not {layout.dtype}")
+    return FrameLimits(layout.layers_of(rank), layout.heads_of(rank), layout.block_size, layout.head_dim,
+                       DTYPES[layout.dtype], max_blocks, vocab_size, accepts_manifest=rank == 0)  # fmt: skip
+
+
 class KVConnector:
-    """The engine's side of the hand-off for its role: a sender on prefill, a receiver on decode."""
+    """The driver's side of the hand-off for its role: a sender on prefill, a receiver on decode.
+
+    `rank_addrs` (decode): each worker rank's receiver (host "" = this engine's address); `on_drop` tells
+    the workers to forget a transfer's pieces."""
 
     def __init__(
-        self, role: KVRole, geometry: KVGeometry, port: int = 14579, host: str = "0.0.0.0", timeout_s: float = 30.0
+        self,
+        role: KVRole,
+        layout: KVLayout,
+        limits: FrameLimits,
+        port: int = 14579,
+        host: str = "0.0.0.0",
+        timeout_s: float = 30.0,
+        rank_addrs: list[tuple[str, int]] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ) -> None:
         self.role = role
         self.timeout_s = timeout_s
-        self.sender = KVSender(timeout_s) if role == "prefill" else None
-        self.receiver = KVReceiver(geometry, host=host, port=port, ttl_s=2 * timeout_s) if role == "decode" else None
+        self.sender = KVSender(layout, 0, timeout_s) if role == "prefill" else None
+        self.receiver = (
+            KVReceiver(limits, layout, rank_addrs or [], host=host, port=port, ttl_s=2 * timeout_s, on_drop=on_drop)
+            if role == "decode"
+            else None
+        )
 
     @property
     def port(self) -> int | None:

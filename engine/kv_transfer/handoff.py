@@ -13,23 +13,35 @@ is room), `before_schedule` admits (lazily, one request at a time), `before_upda
 `on_abort` returns a request still waiting, `on_finish` forgets, `close` closes the connector.
 Invariant: a request is in at most one of `producers` and `imports`, and leaves it when it is
 sent, admitted, aborted or finished — so no block and no payload outlives its request.
+With tensor/pipeline parallelism (`executor` set) the driver's own slab travels as above and the
+workers act on the same points through commands (ranks.py): KV_SEND when a producer request sampled
+(each rank pushes its pieces), KV_FILL inside the admission's fill (each rank writes its slab into the
+blocks just allocated), KV_DROP when a received request is aborted or refused before admission.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
+from tidepool.contract.wire import MessageType
+
 from ..request import Request
 from ..sampling_params import SamplingParams
 from ..sched_output import ModelRunnerOutput, SchedulerOutput
 from ..step_hooks import BeforeSchedule, HookContext, OnAdd, StepHook, StepView
-from . import KVConnector, KVGeometry, KVPayload, KVRole, ProducerParams, gather_kv, scatter_kv
+from . import KVConnector, KVLayout, KVPayload, KVRole, Manifest, ProducerParams, gather_kv, rank_limits, scatter_kv
+from .ranks import engine_layout
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from ..distributed.executor import MultiprocExecutor
     from ..sampler import Sampler
     from ..scheduler import Scheduler
 
@@ -38,17 +50,28 @@ class KVHandoff(StepHook):
     def __init__(
         self,
         role: KVRole,
-        geometry: KVGeometry,
+        layout: KVLayout,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         scheduler: Scheduler,
         sampler: Sampler,
         vocab_size: int,
         port: int,
         timeout_s: float,
+        max_blocks: tuple[int, int],
+        executor: MultiprocExecutor | None = None,
     ) -> None:
+        """`max_blocks`: (blocks of one request at most, blocks of the whole cache)."""
         self.role = role
-        self.block_size = geometry.block_size
-        self.connector = KVConnector(role, geometry, port=port, timeout_s=timeout_s)
+        self.block_size = layout.block_size
+        self._executor = executor
+        limits = rank_limits(layout, 0, max_blocks[0], vocab_size)
+        self.connector = KVConnector(
+            role, layout, limits, port=port, timeout_s=timeout_s,
+            rank_addrs=executor.kv_addrs if executor else None, on_drop=self._drop_on_workers,
+        )  # fmt: skip
+        if executor is not None and self.connector.receiver is not None:
+            self.connector.receiver.store.max_pending_blocks = max(max_blocks)
+            executor.on_kv_stored = self.connector.receiver.rank_stored
         self._kv_caches = kv_caches
         self._scheduler = scheduler
         self._sampler = sampler
@@ -57,10 +80,16 @@ class KVHandoff(StepHook):
         self.imports: dict[str, tuple[Request, KVPayload]] = {}
 
     @classmethod
-    def build(cls, role: KVRole, port: int, timeout_s: float, ctx: HookContext) -> KVHandoff:
+    def build(
+        cls, role: KVRole, port: int, timeout_s: float, ctx: HookContext, executor: MultiprocExecutor | None = None
+    ) -> KVHandoff:
         mc = ctx.model_config
-        geometry = KVGeometry(mc.num_hidden_layers, ctx.block_size, mc.num_key_value_heads, mc.head_dim, ctx.dtype)
-        return cls(role, geometry, ctx.kv_caches, ctx.scheduler, ctx.sampler, mc.vocab_size, port, timeout_s)
+        parallel = executor.parallel if executor else None
+        tp, pp = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size) if parallel else (1, 1)
+        layout = engine_layout(mc, ctx.block_size, ctx.dtype, tp, pp)
+        max_blocks = (-(-ctx.max_model_len // ctx.block_size), ctx.num_kv_blocks)
+        return cls(role, layout, ctx.kv_caches, ctx.scheduler, ctx.sampler, mc.vocab_size, port, timeout_s, max_blocks,
+                   executor)  # fmt: skip
 
     def check(self, kv_transfer: ProducerParams | KVPayload, token_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming the problem when this request cannot take part in a hand-off here."""
@@ -88,12 +117,18 @@ class KVHandoff(StepHook):
         """Check and take part in a request that carries a hand-off; a received one waits here for admission."""
         if kv_transfer is None:
             return None
-        self.check(kv_transfer, request.prompt_token_ids, request.sampling_params)
-        if isinstance(kv_transfer, KVPayload) and kv_transfer.lora_name != request.lora_name:
-            raise ValueError(
-                f"KV transfer {kv_transfer.transfer_id} was prefilled with adapter {kv_transfer.lora_name!r} but this "
-                f"request asks for {request.lora_name!r}; send the same `model` to the prefill and the decode engine"
-            )
+        try:
+            self.check(kv_transfer, request.prompt_token_ids, request.sampling_params)
+            if isinstance(kv_transfer, KVPayload) and kv_transfer.lora_name != request.lora_name:
+                raise ValueError(
+                    f"KV transfer {kv_transfer.transfer_id} was prefilled with adapter {kv_transfer.lora_name!r} but "
+                    f"this request asks for {request.lora_name!r}; send the same `model` to the prefill and the decode "
+                    "engine"
+                )
+        except ValueError:
+            if isinstance(kv_transfer, KVPayload):  # refused: its slabs on the workers will never be claimed
+                self._drop_on_workers(kv_transfer.transfer_id)
+            raise
         if isinstance(kv_transfer, ProducerParams):
             self.producers[request.request_id] = kv_transfer
             return OnAdd()
@@ -120,7 +155,24 @@ class KVHandoff(StepHook):
         """Forget a request; returns it if it was still waiting for admission (it holds no blocks)."""
         self.producers.pop(request_id, None)
         entry = self.imports.pop(request_id, None)
-        return entry[0] if entry else None
+        if entry is None:
+            return None
+        self._drop_on_workers(entry[1].transfer_id)
+        return entry[0]
+
+    def _drop_on_workers(self, transfer_id: str) -> None:
+        """Tell the workers to forget a transfer's slabs (any thread: the executor serialises its sends)."""
+        if self._executor is not None and self._executor.kv_addrs:
+            try:
+                self._executor.command(MessageType.KV_DROP, transfer_id=transfer_id)
+            except RuntimeError as err:  # a failed worker: the engine's next step raises it
+                logger.warning("could not drop KV transfer %s on the workers: %s", transfer_id, err)
+
+    def _fill(self, payload: KVPayload, block_ids: list[int]) -> None:
+        """Write a received transfer into the blocks just allocated: the driver's slab here, each worker's there."""
+        scatter_kv(self._kv_caches, block_ids, payload.kv)
+        if self._executor is not None:
+            self._executor.command(MessageType.KV_FILL, transfer_id=payload.transfer_id, block_ids=block_ids)
 
     def send_prefilled(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         """Ship the prompt KV + first token of every producer request that sampled this step."""
@@ -134,12 +186,16 @@ class KVHandoff(StepHook):
                 continue
             params = self.producers.pop(request.request_id)
             num_blocks = -(-request.num_prompt_tokens // self.block_size)
-            kv = gather_kv(self._kv_caches, seq.block_ids[:num_blocks])
-            payload = KVPayload(
-                params.transfer_id, list(request.prompt_token_ids), token, self.block_size, kv,
-                lora_name=request.lora_name,
-            )  # fmt: skip
-            sender.send(params.decode_kv_addr, payload)
+            block_ids = seq.block_ids[:num_blocks]
+            if self._executor is not None:  # each worker copies its slab before the next step can touch the blocks
+                # A dead worker: the next step raises WorkerFailedError; the manifest is refused meanwhile.
+                with contextlib.suppress(OSError):
+                    self._executor.broadcast(MessageType.KV_SEND, transfer_id=params.transfer_id,
+                                             block_ids=list(block_ids), addr=params.decode_kv_addr)  # fmt: skip
+            kv = gather_kv(self._kv_caches, block_ids)
+            manifest = Manifest(params.transfer_id, list(request.prompt_token_ids), token, num_blocks,
+                                request.lora_name)  # fmt: skip
+            sender.send(params.decode_kv_addr, params.transfer_id, kv, manifest)
 
     def admit(self) -> Iterator[tuple[Request, int]]:
         """Admit waiting received requests in arrival order while there is room, yielding (request, first token).
@@ -149,7 +205,7 @@ class KVHandoff(StepHook):
         for request_id, (request, payload) in list(self.imports.items()):
             if request_id not in self.imports:
                 continue  # aborted while an earlier one was handled
-            fill = functools.partial(scatter_kv, self._kv_caches, kv=payload.kv)
+            fill = functools.partial(self._fill, payload)
             if not self._scheduler.add_prefilled_request(request, fill):
                 return  # no room yet: retried every step, in order
             del self.imports[request_id]

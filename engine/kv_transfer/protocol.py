@@ -1,46 +1,57 @@
 """The KV hand-off between a prefill engine and a decode engine: what is sent and its wire format.
 
-A prefill engine computes a prompt's KV and first token and sends them, as one *transfer*, to
-the decode engine the router chose; the decode engine admits the request with that KV in its
-own blocks and continues generation without recomputing the prompt.
+A prefill engine computes a prompt's KV and first token and sends them, as one *transfer*, to the
+decode engine the router chose; the decode engine admits the request with that KV in its own blocks
+and continues generation without recomputing the prompt. With tensor/pipeline parallelism every
+rank holds a slab of the KV (its layers, its heads; layout.py): each prefill rank pushes *pieces* of
+its slab straight to the decode ranks that cache them, and the prefill driver sends the *manifest*
+(prompt, first token, adapter) to the decode driver, which answers it once every decode rank holds
+its whole slab.
 
-Wire format (one TCP connection per transfer, all integers big-endian):
+Wire format (one TCP connection per frame, all integers big-endian):
 
     magic      4 bytes   b"TPKV"
-    version    u16       1
-    header_len u32       length of the JSON header that follows
-    header     JSON      {"transfer_id", "prompt_token_ids", "first_token_id", "block_size",
-                          "layer_start", "layer_end", "dtype", "shape", "nbytes", "lora_name"}
-    payload    nbytes    the KV tensor, C-contiguous, raw bytes
+    version    u16       VERSION
+    header_len u32       length of the JSON header that follows (at most the receiver's limit)
+    header     JSON      an object; "kind" says which of:
+      "layout"    a question to a decode driver: its `KVLayout` and each rank's address
+      "piece"     {"transfer_id", "layers": [start, stop], "heads": [start, stop], "num_blocks",
+                   "block_size", "head_dim", "dtype"}, followed by the piece's raw bytes: a C-contiguous
+                   tensor [layers, 2 (K, V), num_blocks, block_size, heads, head_dim]
+      "manifest"  {"transfer_id", "prompt_token_ids", "first_token_id", "num_blocks", "lora_name"}
 
-The KV tensor has shape ``[layer_end - layer_start, 2 (K, V), num_blocks, block_size,
-num_kv_heads, head_dim]``: the prompt's blocks, in order (the last one may be partly used;
-only ``len(prompt_token_ids)`` token slots are meaningful). The receiver answers with one
-status byte (0 = stored, 1 = rejected) followed by a u32 length and a UTF-8 message, so a
-sender always learns whether its transfer landed and why not. `lora_name` is the LoRA adapter the
-prompt was prefilled with (null or absent: the base model); the decode engine admits the transfer only
-for a request of that same adapter, which it must hold. The layer range leaves room for
-pipeline-parallel senders that each ship their own stages' layers; today one transfer covers
-all layers. Other connectors (NCCL, NIXL) can reuse `KVPayload` and keep the same semantics.
+The receiver answers every frame with one status byte (0 = ok, 1 = rejected), a u32 length and a
+UTF-8 message (the layout, as JSON, for "layout"), so a sender always learns whether its frame
+landed and why not. `lora_name` is the LoRA adapter the prompt was prefilled with (null: the base
+model); the decode engine admits the transfer only for a request of that same adapter.
+
+Invariant (the security review's): every header field is checked against the receiver's own limits
+(`FrameLimits`: its header size, its block count, its slab, its dtype) before anything is allocated
+from it, and any malformed frame — bad JSON, a wrong type, an impossible size — raises
+`KVTransferError`, which the receiver answers as a rejection; nothing a peer sends can make it allocate
+more than one slab's worth of its own cache or end its handler thread.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 MAGIC = b"TPKV"
-VERSION = 1
-MAX_HEADER_BYTES = 64 << 20  # a 1M-token prompt's ids fit; anything larger is not our peer
+VERSION = 2
 _PREFIX = struct.Struct(">4sHI")
 _STATUS = struct.Struct(">BI")
 STATUS_OK, STATUS_REJECTED = 0, 1
+MAX_STATUS_BYTES = 1 << 20
+MAX_TRANSFER_ID = 128
 
-_DTYPES = {str(dt).removeprefix("torch."): dt for dt in (torch.float32, torch.float16, torch.bfloat16)}
+DTYPES = {str(dt).removeprefix("torch."): dt for dt in (torch.float32, torch.float16, torch.bfloat16)}
 
 
 class KVTransferError(RuntimeError):
@@ -49,13 +60,13 @@ class KVTransferError(RuntimeError):
 
 @dataclass(slots=True)
 class KVPayload:
-    """One request's prompt KV and first token, as produced by a prefill engine."""
+    """One request's prompt, first token and the KV slab of the rank that holds it (all of it without TP/PP)."""
 
     transfer_id: str
     prompt_token_ids: list[int]
     first_token_id: int
     block_size: int
-    kv: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv: torch.Tensor  # [layers, 2, num_blocks, block_size, heads, head_dim]: this rank's slab
     layer_start: int = 0
     lora_name: str | None = None  # the LoRA adapter the KV was computed with (None: the base model)
 
@@ -65,115 +76,180 @@ class KVPayload:
 
 
 @dataclass(slots=True, frozen=True)
-class KVGeometry:
-    """What a receiver's cache looks like; a payload that does not fit is rejected, never half-stored."""
+class Manifest:
+    """The request side of a transfer (the decode driver's): what the KV belongs to."""
 
-    num_layers: int
+    transfer_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    num_blocks: int
+    lora_name: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class PieceHeader:
+    transfer_id: str
+    layers: range
+    heads: range
+    num_blocks: int
+
+
+@dataclass(slots=True, frozen=True)
+class LayoutQuery:
+    """A sender asking a decode driver for its layout and rank addresses."""
+
+
+@dataclass(slots=True, frozen=True)
+class FrameLimits:
+    """What one receiving rank accepts: its slab, its cache's geometry and sizes."""
+
+    layers: range
+    heads: range
     block_size: int
-    num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    max_blocks: int  # blocks of one request: at most the rank's cache and ceil(max_model_len / block_size)
+    vocab_size: int
+    accepts_manifest: bool  # only the decode driver takes manifests and layout questions
 
-    def check(self, payload: KVPayload) -> None:
-        kv = payload.kv
-        expected = (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        got = (payload.layer_end - payload.layer_start, kv.shape[1], payload.block_size, *kv.shape[4:])
-        if payload.layer_start != 0 or got != expected or kv.shape[3] != payload.block_size:
-            raise KVTransferError(
-                f"transfer {payload.transfer_id}: KV of shape {list(kv.shape)} (layers {payload.layer_start}.."
-                f"{payload.layer_end}, block size {payload.block_size}) does not fit this engine's cache "
-                f"(layers 0..{self.num_layers}, block size {self.block_size}, {self.num_kv_heads} KV heads x "
-                f"{self.head_dim}); prefill and decode must run the same model with the same --block-size"
-            )
-        if kv.dtype != self.dtype:
-            raise KVTransferError(
-                f"transfer {payload.transfer_id}: KV dtype {kv.dtype} differs from this engine's {self.dtype}; "
-                "run prefill and decode with the same --dtype"
-            )
-        needed = -(-len(payload.prompt_token_ids) // payload.block_size)
-        if kv.shape[2] != needed or not payload.prompt_token_ids:
-            raise KVTransferError(
-                f"transfer {payload.transfer_id}: {kv.shape[2]} blocks sent for a {len(payload.prompt_token_ids)}-"
-                f"token prompt (expected {needed})"
-            )
+    @property
+    def max_header_bytes(self) -> int:
+        # A prompt of max_blocks full blocks, each id at most 11 characters with its separator, plus the rest.
+        return 4096 + 12 * self.max_blocks * self.block_size
+
+    def piece_shape(self, header: PieceHeader) -> list[int]:
+        return [len(header.layers), 2, header.num_blocks, self.block_size, len(header.heads), self.head_dim]
 
 
-def write_payload(sock: socket.socket, payload: KVPayload) -> None:
-    kv = payload.kv.contiguous()
-    raw = kv.view(torch.uint8).reshape(-1).numpy()  # a view of the tensor's bytes, no copy
-    header = json.dumps(
-        {
-            "transfer_id": payload.transfer_id,
-            "prompt_token_ids": payload.prompt_token_ids,
-            "first_token_id": payload.first_token_id,
-            "block_size": payload.block_size,
-            "layer_start": payload.layer_start,
-            "layer_end": payload.layer_end,
-            "dtype": str(kv.dtype).removeprefix("torch."),
-            "shape": list(kv.shape),
-            "nbytes": raw.nbytes,
-            "lora_name": payload.lora_name,
-        }
-    ).encode()
-    sock.sendall(_PREFIX.pack(MAGIC, VERSION, len(header)) + header)
-    sock.sendall(memoryview(raw))
+def write_piece(sock: socket.socket, header: PieceHeader, block_size: int, kv: torch.Tensor) -> None:
+    kv = kv.contiguous()
+    fields = {"kind": "piece", "transfer_id": header.transfer_id, "layers": [header.layers.start, header.layers.stop],
+              "heads": [header.heads.start, header.heads.stop], "num_blocks": header.num_blocks,
+              "block_size": block_size, "head_dim": kv.shape[-1],
+              "dtype": str(kv.dtype).removeprefix("torch.")}  # fmt: skip
+    _write_header(sock, fields)
+    sock.sendall(memoryview(kv.view(torch.uint8).reshape(-1).numpy()))  # the tensor's bytes, no copy
 
 
-def read_payload(sock: socket.socket) -> KVPayload:
+def write_manifest(sock: socket.socket, manifest: Manifest) -> None:
+    _write_header(sock, {"kind": "manifest", "transfer_id": manifest.transfer_id,
+                         "prompt_token_ids": manifest.prompt_token_ids, "first_token_id": manifest.first_token_id,
+                         "num_blocks": manifest.num_blocks, "lora_name": manifest.lora_name})  # fmt: skip
+
+
+def write_layout_query(sock: socket.socket) -> None:
+    _write_header(sock, {"kind": "layout"})
+
+
+def _write_header(sock: socket.socket, fields: dict[str, Any]) -> None:
+    body = json.dumps(fields).encode()
+    sock.sendall(_PREFIX.pack(MAGIC, VERSION, len(body)) + body)
+
+
+def read_frame(sock: socket.socket, limits: FrameLimits) -> LayoutQuery | Manifest | tuple[PieceHeader, torch.Tensor]:
+    """The next frame, checked against `limits` before anything is allocated from it; KVTransferError if bad."""
     magic, version, header_len = _PREFIX.unpack(_recv_exact(sock, _PREFIX.size))
     if magic != MAGIC or version != VERSION:
-        raise KVTransferError(f"not a Tidepool KV transfer (magic {magic!r}, version {version})")
-    if header_len > MAX_HEADER_BYTES:
-        raise KVTransferError(f"KV transfer header of {header_len} bytes is over the {MAX_HEADER_BYTES} limit")
-    header = json.loads(_recv_exact(sock, header_len))
-    try:
-        dtype = _DTYPES[header["dtype"]]
-        shape = [int(d) for d in header["shape"]]
-        nbytes = int(header["nbytes"])
-        if len(shape) != 6 or nbytes != _numel(shape) * dtype.itemsize:
-            raise KVTransferError(f"KV transfer header is inconsistent: shape {shape}, {nbytes} bytes, {dtype}")
-        data = bytearray(nbytes)
-        _recv_into(sock, memoryview(data))
-        kv = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape) if nbytes else torch.empty(shape)
-        payload = KVPayload(
-            transfer_id=str(header["transfer_id"]),
-            prompt_token_ids=[int(t) for t in header["prompt_token_ids"]],
-            first_token_id=int(header["first_token_id"]),
-            block_size=int(header["block_size"]),
-            kv=kv,
-            layer_start=int(header["layer_start"]),
-            lora_name=_optional_str(header.get("lora_name")),
+        raise KVTransferError(f"not a Tidepool KV transfer of version {VERSION} (magic {magic!r}, version {version})")
+    if header_len > limits.max_header_bytes:
+        raise KVTransferError(
+            f"KV transfer header of {header_len} bytes is over this engine's {limits.max_header_bytes}"
         )
-    except (KeyError, TypeError, ValueError) as err:
-        raise KVTransferError(f"malformed KV transfer header: {err}") from err
-    if payload.layer_end != int(header["layer_end"]):
-        raise KVTransferError("KV transfer header's layer range does not match its shape")
-    return payload
+    try:
+        header = json.loads(_recv_exact(sock, header_len))
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise KVTransferError(f"KV transfer header is not JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise KVTransferError("KV transfer header must be a JSON object")
+    kind = header.get("kind")
+    if kind in ("layout", "manifest") and not limits.accepts_manifest:
+        raise KVTransferError(f"a {kind!r} frame goes to the decode engine's driver (rank 0), not to this rank")
+    if kind == "layout":
+        return LayoutQuery()
+    if kind == "manifest":
+        return _manifest(header, limits)
+    if kind == "piece":
+        piece = _piece_header(header, limits)
+        kv = torch.empty(limits.piece_shape(piece), dtype=limits.dtype)
+        _recv_into(sock, memoryview(kv.view(torch.uint8).reshape(-1).numpy()))
+        return piece, kv
+    raise KVTransferError(f"KV transfer header kind must be 'layout', 'piece' or 'manifest', got {kind!r}")
+
+
+def _manifest(header: dict[str, Any], limits: FrameLimits) -> Manifest:
+    transfer_id = _transfer_id(header)
+    prompt = header.get("prompt_token_ids")
+    if not isinstance(prompt, list) or not prompt or len(prompt) > limits.max_blocks * limits.block_size:
+        raise KVTransferError(f"transfer {transfer_id}: prompt_token_ids must be a non-empty list that fits the cache")
+    ids = [_int(header, "prompt_token_ids", t, 0, limits.vocab_size - 1) for t in prompt]
+    num_blocks = _int(header, "num_blocks", header.get("num_blocks"), 1, limits.max_blocks)
+    if num_blocks != math.ceil(len(ids) / limits.block_size):
+        raise KVTransferError(f"transfer {transfer_id}: {num_blocks} blocks for a {len(ids)}-token prompt")
+    lora = header.get("lora_name")
+    if lora is not None and not isinstance(lora, str):
+        raise KVTransferError(f"transfer {transfer_id}: lora_name must be a string or null")
+    first = _int(header, "first_token_id", header.get("first_token_id"), 0, limits.vocab_size - 1)
+    return Manifest(transfer_id, ids, first, num_blocks, lora)
+
+
+def _piece_header(header: dict[str, Any], limits: FrameLimits) -> PieceHeader:
+    transfer_id = _transfer_id(header)
+    for name, mine in (("block_size", limits.block_size), ("head_dim", limits.head_dim)):
+        if header.get(name) != mine:
+            raise KVTransferError(
+                f"transfer {transfer_id}: KV {name} {header.get(name)!r} differs from this engine's {mine}; "
+                "prefill and decode must run the same model with the same --block-size"
+            )
+    dtype = str(limits.dtype).removeprefix("torch.")
+    if header.get("dtype") != dtype:
+        raise KVTransferError(
+            f"transfer {transfer_id}: KV dtype {header.get('dtype')!r} differs from this engine's {dtype}; "
+            "run prefill and decode with the same --dtype"
+        )
+    layers = _range(header, "layers", limits.layers)
+    heads = _range(header, "heads", limits.heads)
+    num_blocks = _int(header, "num_blocks", header.get("num_blocks"), 1, limits.max_blocks)
+    return PieceHeader(transfer_id, layers, heads, num_blocks)
+
+
+def _transfer_id(header: dict[str, Any]) -> str:
+    value = header.get("transfer_id")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TRANSFER_ID:
+        raise KVTransferError(f"KV transfer header's transfer_id must be a string of 1..{MAX_TRANSFER_ID} characters")
+    return value
+
+
+def _int(header: dict[str, Any], name: str, value: object, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise KVTransferError(
+            f"transfer {header.get('transfer_id')!r}: {name} must hold integers in [{low}, {high}], got {value!r}"
+        )
+    return value
+
+
+def _range(header: dict[str, Any], name: str, within: range) -> range:
+    value = header.get(name)
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int for v in value)):
+        raise KVTransferError(f"transfer {header.get('transfer_id')!r}: {name} must be [start, stop]")
+    start, stop = value
+    if not within.start <= start < stop <= within.stop:
+        raise KVTransferError(
+            f"transfer {header.get('transfer_id')!r}: {name} {start}..{stop} is not inside this rank's "
+            f"{within.start}..{within.stop}; prefill and decode must run the same model"
+        )
+    return range(start, stop)
 
 
 def write_status(sock: socket.socket, status: int, message: str = "") -> None:
-    body = message.encode()
+    body = message.encode()[:MAX_STATUS_BYTES]
     sock.sendall(_STATUS.pack(status, len(body)) + body)
 
 
 def read_status(sock: socket.socket) -> tuple[int, str]:
     status, length = _STATUS.unpack(_recv_exact(sock, _STATUS.size))
+    if length > MAX_STATUS_BYTES:
+        raise KVTransferError(f"a KV status message of {length} bytes is over the {MAX_STATUS_BYTES} limit")
     return status, _recv_exact(sock, length).decode(errors="replace")
-
-
-def _optional_str(value: object) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"lora_name must be a string or null, got {type(value).__name__}")
-    return value
-
-
-def _numel(shape: list[int]) -> int:
-    total = 1
-    for dim in shape:
-        if dim < 0:
-            raise KVTransferError(f"negative dimension in KV shape {shape}")
-        total *= dim
-    return total
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -183,6 +259,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    view = view.cast("B")
     while view.nbytes:
         got = sock.recv_into(view)
         if got == 0:

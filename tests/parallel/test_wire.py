@@ -65,6 +65,11 @@ SAMPLES: dict[MessageType, dict[str, Any]] = {
         "b": [torch.randn(64, 8), torch.randn(32, 4), torch.randn(64, 8)],
         "scalings": [2.0, 4.0, 0.5],
     },
+    MessageType.KV_LISTEN: {"rank": 3, "host": "10.0.0.9", "port": 14582},
+    MessageType.KV_STORED: {"rank": 1, "transfer_id": "cmpl-7f3a"},
+    MessageType.KV_SEND: {"transfer_id": "cmpl-7f3a", "block_ids": [0, 7, 3], "addr": "10.0.0.7:14579"},
+    MessageType.KV_FILL: {"transfer_id": "cmpl-7f3a", "block_ids": [12, 13]},
+    MessageType.KV_DROP: {"transfer_id": "cmpl-7f3a"},
 }
 
 

@@ -59,6 +59,11 @@ def _valid_frames() -> list[bytes]:
             "b": [torch.ones(4, 2)],
             "scalings": [0.5],
         },
+        MessageType.KV_LISTEN: {"rank": 1, "host": "", "port": 14580},
+        MessageType.KV_STORED: {"rank": 1, "transfer_id": "t"},
+        MessageType.KV_SEND: {"transfer_id": "t", "block_ids": [3, 4], "addr": "10.0.0.7:14579"},
+        MessageType.KV_FILL: {"transfer_id": "t", "block_ids": [3, 4]},
+        MessageType.KV_DROP: {"transfer_id": "t"},
     }
     assert set(samples) == set(MessageType)
     return [wire_codec.encode(kind, **fields) for kind, fields in samples.items()]
