@@ -1,29 +1,66 @@
-"""Cache claims (`spec.modelCache.persistentVolumeClaim` with `size`): how the plan treats one that exists.
+"""Cache claims (`spec.modelCache.persistentVolumeClaim`): created, never adopted, never lost by accident.
 
-Pure helpers for reconcile.plan(), which hands them the desired claim and the observed one.
+Helpers without I/O for reconcile.plan() (the desired claim against the observed one), for the creation
+outcome in `Plan.execute`, and for the reclaim sweep in sync.py (what the caches say goes now).
 
 Invariants:
+- Create, never adopt: a claim is created (POST) only when no claim of its name exists. The claim the
+  operator created carries the annotations `tidepool.dev/created-by: <namespace>/<service>` and
+  `tidepool.dev/reclaim-policy: Retain|Delete` (builders/network.py). Only its creator ever applies to it
+  (a resize, a new policy); any other claim is used as it is: never patched, never given an owner reference,
+  never deleted; an Event (ClaimExists) says so, once while it lasts.
+- A cache claim has no owner reference, so the garbage collector never deletes it with a service. The operator
+  deletes a claim only when (a) it created it, (b) its reclaim policy says Delete, (c) the service that created
+  it is gone, and (d) no InferenceService in its namespace names it (modelCache, a pvc:// URI, a pod volume).
+  It checks that whenever an InferenceService is gone (sync.py; also at start, since the claim's creator key is
+  then synced), never because a field was removed or a spec changed. Why not a finalizer: deletes would wait on
+  the operator (it removes finalizers older versions left), and (d) only the operator can judge; why not an
+  owner reference from the creator: the garbage collector would delete the claim under the services still
+  using it.
+- Claims an older operator labelled without the annotations count as created by the service their label
+  names; an owner reference it left is taken away by the service it names (released), so no upgrade turns
+  into a deletion.
 - What Kubernetes cannot change is never applied (the API server would refuse it at every reconcile, and the
   rest of the spec would not roll out): a claim is resized only when bound, only upwards and only past what
   its volume already holds; accessModes, storageClassName and volumeMode are fixed at creation. What was
   kept is said (a ClaimKept Warning, once while it lasts: sync.py).
-- A claim several InferenceServices name is shared: it keeps the service label of the one that created it
-  (the caches file it there; the others find it by name), and every service adds its owner reference
-  (non-controller), so no apply takes another service's reference away and the garbage collector deletes
-  the claim only with its last owner. A service that stops naming it, while others still own it, only
-  takes its own reference away.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tidepool.operator.api.quantity import quantity_value
-from tidepool.operator.builders import LABEL_SERVICE
+from tidepool.operator.builders import LABEL_SERVICE, MANAGED_BY
+from tidepool.operator.builders.network import ANNOTATION_CREATED_BY, ANNOTATION_RECLAIM_POLICY
+from tidepool.operator.cache import Cached, Store
 
+CLAIM_KIND = "PersistentVolumeClaim"
 CLAIM_FIXED_FIELDS = ("accessModes", "storageClassName", "volumeMode")  # immutable once a claim exists
+DEFAULT_RECLAIM_POLICY = "Retain"  # a claim without the annotation (created by an older operator) is kept
+
+
+def creator_of(claim: Mapping[str, Any]) -> str | None:
+    """`<namespace>/<service>` of the InferenceService that created the claim; None when the operator did not."""
+    meta = claim.get("metadata") or {}
+    created_by = (meta.get("annotations") or {}).get(ANNOTATION_CREATED_BY)
+    if created_by:
+        return str(created_by)
+    labels = meta.get("labels") or {}
+    if labels.get("app.kubernetes.io/managed-by") == MANAGED_BY and labels.get(LABEL_SERVICE):
+        return f"{meta.get('namespace', '')}/{labels[LABEL_SERVICE]}"  # labelled by an older operator
+    return None
+
+
+def reclaim_policy(claim: Mapping[str, Any]) -> str:
+    annotations = (claim.get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(ANNOTATION_RECLAIM_POLICY, DEFAULT_RECLAIM_POLICY))
+
+
+def is_created_by(claim: Mapping[str, Any], namespace: str, name: str) -> bool:
+    return creator_of(claim) == f"{namespace}/{name}"
 
 
 def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -53,8 +90,8 @@ def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> 
                 )
     for name in CLAIM_FIXED_FIELDS:
         if name in old and old[name] != spec.get(name):
-            # Also when the spec leaves it out: the field manager that set it (this operator, for whichever
-            # service created the claim) would otherwise remove it, which is a change the API server refuses.
+            # Also when the spec leaves it out: the field manager that set it would otherwise remove it, which is
+            # a change the API server refuses.
             kept_spec[name] = old[name]
             if name in spec:
                 kept.append(f"{name} {old[name]} (fixed at creation; the spec asks {spec[name]})")
@@ -62,35 +99,36 @@ def claim_as_it_can_be(desired: dict[str, Any], observed: Mapping[str, Any]) -> 
     return ({**desired, "spec": kept_spec} if changed else desired), kept
 
 
-def shared_claim(desired: dict[str, Any], observed: Mapping[str, Any]) -> dict[str, Any]:
-    """The desired claim as one of the services that share it: the service label stays the one it has (the
-    service that created it), and its owners are everyone's, this one's included, so the garbage collector
-    deletes it only with its last service and no apply takes another service's reference away."""
-    meta = observed["metadata"]
-    creator = (meta.get("labels") or {}).get(LABEL_SERVICE)
-    mine = {r.get("uid"): r for r in desired["metadata"].get("ownerReferences") or []}
-    present = meta.get("ownerReferences") or []
-    if not creator and not present:
-        return desired
-    owners = [mine.pop(r.get("uid"), r) for r in present] + list(mine.values())  # in the order stored
-    labels = {**(desired["metadata"].get("labels") or {}), **({LABEL_SERVICE: creator} if creator else {})}
-    return {**desired, "metadata": {**desired["metadata"], "labels": labels, "ownerReferences": owners}}
+def used_as_it_is(name: str, existing: Mapping[str, Any] | None) -> str:
+    """The ClaimExists message for a claim this service names with size but did not create (`existing`: the claim
+    as the caches hold it; None when they do not, i.e. the operator did not create it)."""
+    creator = creator_of(existing) if existing is not None else None
+    if creator is None:
+        whose = "exists and was not created by the operator: it is never changed, owned nor deleted by it"
+    else:
+        whose = (
+            f"was created by InferenceService {creator} (reclaimPolicy {reclaim_policy(existing or {})}); "
+            "its size, class, access modes and reclaim policy are that service's"
+        )
+    return (
+        f"PersistentVolumeClaim {name} {whose}; used as it is (this spec's size, storageClassName, accessModes "
+        "and reclaimPolicy apply only to a claim it creates)"
+    )
 
 
 def released_claim(observed: Mapping[str, Any], uid: str) -> dict[str, Any] | None:
-    """A claim this service no longer wants but others still own: the apply that takes only this service's
-    reference away (its spec as it is: the apply must not drop fields it set). None when no one else owns it."""
+    """The apply that takes this service's owner reference (left by an older operator) off a claim, keeping the
+    others and everything else as it is (the apply must not drop fields this field manager set). None when the
+    claim names no such reference."""
     meta = observed["metadata"]
-    others = [r for r in meta.get("ownerReferences") or [] if r.get("uid") != uid]
-    if not others or len(others) == len(meta.get("ownerReferences") or []):
+    refs = meta.get("ownerReferences") or []
+    others = [r for r in refs if r.get("uid") != uid]
+    if len(others) == len(refs):
         return None
-    kept = {k: meta[k] for k in ("name", "namespace", "labels") if k in meta}
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {**kept, "ownerReferences": others},
-        "spec": copy.deepcopy(observed.get("spec") or {}),
-    }
+    kept = {k: meta[k] for k in ("name", "namespace", "labels", "annotations") if k in meta}
+    if others:
+        kept["ownerReferences"] = others
+    return {"apiVersion": "v1", "kind": CLAIM_KIND, "metadata": kept, "spec": copy.deepcopy(observed.get("spec") or {})}
 
 
 def with_shared_claims(
@@ -98,13 +136,58 @@ def with_shared_claims(
     desired: Sequence[Mapping[str, Any]],
     find: Callable[[str, str], Mapping[str, Any] | None],
 ) -> dict[tuple[str, str], dict[str, Any]]:
-    """`observed` plus each desired claim that exists under another service's label (`find(kind, name)`): the
-    plan must see a shared claim as it is, not create it again over another service's."""
+    """`observed` plus each desired claim the caches hold under another service's label (`find(kind, name)`): the
+    plan must see an existing claim as it is, never create it again nor take it over."""
     out = dict(observed)
     for child in desired:
         key = (child["kind"], child["metadata"]["name"])
-        if child["kind"] == "PersistentVolumeClaim" and key not in out:
+        if child["kind"] == CLAIM_KIND and key not in out:
             found = find(*key)
             if found is not None:
                 out[key] = dict(found)
     return out
+
+
+def names_claim(spec: Any, claim: str) -> bool:
+    """True when an InferenceService spec mounts the claim anywhere: modelCache, a pod volume (`claimName`), or a
+    pvc:// model or adapter URI."""
+    if isinstance(spec, Mapping):
+        return spec.get("claimName") == claim or any(names_claim(v, claim) for v in spec.values())
+    if isinstance(spec, list):
+        return any(names_claim(v, claim) for v in spec)
+    return isinstance(spec, str) and (spec == f"pvc://{claim}" or spec.startswith(f"pvc://{claim}/"))
+
+
+def reclaimable(claims: Iterable[Mapping[str, Any]], specs: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The claims the operator deletes now: created by it with reclaim policy Delete, not being deleted already,
+    whose creating service is gone and which no InferenceService of `specs` (name -> spec, the claim's namespace)
+    names."""
+    out = []
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        creator = (meta.get("annotations") or {}).get(ANNOTATION_CREATED_BY)
+        if not creator or reclaim_policy(claim) != "Delete" or meta.get("deletionTimestamp"):
+            continue
+        namespace, _, service = str(creator).partition("/")
+        if namespace != meta.get("namespace") or service in specs:
+            continue
+        if not any(names_claim(spec, meta["name"]) for spec in specs.values()):
+            out.append(claim)
+    return out
+
+
+def created_claims(store: Store, key: tuple[str, str]) -> dict[tuple[str, str], Cached]:
+    """The cache claims the service `key` (namespace, name) created, as the caches hold them: never owned by it, so
+    not among `children_of`, yet its own to compare (one deleted by hand is created again at once)."""
+    bucket = store.children.get(key) or {}
+    return {k: c for k, c in bucket.items() if k[0] == CLAIM_KIND and is_created_by(c.body(), *key)}
+
+
+def reclaimable_in(store: Store, namespace: str) -> list[Mapping[str, Any]]:
+    """`reclaimable` over the caches: the claims of `namespace` the operator deletes now."""
+    names = [name for _, name in store.keys_in_scope(CLAIM_KIND, namespace)]
+    claims = [c.body() for name in names if (c := store.find(CLAIM_KIND, namespace, name)) is not None]
+    if not any(reclaim_policy(c) == "Delete" for c in claims):
+        return []  # the common case: no service's spec is read
+    services = [s for k in store.service_keys() if k[0] == namespace and (s := store.service(k)) is not None]
+    return reclaimable(claims, {s.name: s.body().get("spec") or {} for s in services})
