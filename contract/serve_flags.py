@@ -20,7 +20,8 @@ Invariants: stdlib only, no import side effects (the operator image has no torch
 module); names are unique, spelled without the leading `--`; `default` is the value the server uses
 when the flag is absent; numeric bounds (`ge`/`gt`/`le`) are enforced by argparse here and by
 pydantic in `EngineConfig`; a `bool` flag is negatable (`--x` / `--no-x`), a `switch` is a bare
-`--x`, a `json` flag carries a JSON object as a string, and a `list` flag takes one or more values.
+`--x`, a `json` flag carries a JSON object as a string, and a `list` flag takes one or more values
+(repeating it adds to them).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ GROUPS: dict[str, str] = {
     "disagg": "prefill/decode disaggregation",
     "parallel": "parallelism (one replica over several ranks, optionally several nodes)",
     "server": "server",
+    "auth": "API keys (`tidepool serve` and `tidepool router`)",
     "limits": "request limits",
 }
 _TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "json": str}
@@ -169,7 +171,8 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("role", "str", "unified",
               "'prefill' sends prompt KV to decode engines; 'decode' receives it on --kv-port", group="disagg",
               choices=("unified", "prefill", "decode"), managed=True, engine_field="role"),
-    ServeFlag("kv-port", "int", 14579, "TCP port of the KV receiver (decode role; 0: any free port)",
+    ServeFlag("kv-port", "int", 14579,
+              "TCP port of the KV receiver (decode role; parallel rank r listens on this + r; 0: any free port)",
               group="disagg", managed=True, engine_field="kv_port", ge=0, le=65535),
     ServeFlag("kv-transfer-timeout", "float", 30.0, "seconds a KV transfer may take end to end", group="disagg",
               engine_field="kv_transfer_timeout", gt=0),
@@ -200,6 +203,12 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
               "the output is parsed for calls by --tool-call-parser", group="server"),
     ServeFlag("tool-call-parser", "str", None, "the format the model writes tool calls in (vLLM's names): hermes "
               "(<tool_call> JSON blocks: Qwen2.5, Hermes; SmolLM2's JSON lists in them too)", group="server"),
+    # `tidepool router` takes the same (AUTH_FLAGS); the environment's key only when neither flag is given.
+    ServeFlag("api-key", "list", None, "require an API key (`Authorization: Bearer KEY` or `x-api-key: KEY`) "
+              "on all but the probes and /metrics; repeatable, any one of the keys is accepted. Shows in the "
+              "process list: prefer --api-key-file or $TIDEPOOL_API_KEY", group="auth"),
+    ServeFlag("api-key-file", "str", None, "a file of accepted keys, one a line (blank and # lines ignored), "
+              "re-read when it changes (a mounted Secret rotates in place)", group="auth"),
     # Also caps the event loop's JSON parsing of one body (worst case ~0.1 s per MB on a slow core).
     ServeFlag("max-body-bytes", "int", 16 << 20, "largest request body accepted; larger ones get 413 "
               "(default: 16 MiB)", group="limits", gt=0),
@@ -211,6 +220,8 @@ FLAGS: dict[str, ServeFlag] = {f.name: f for f in SERVE_FLAGS}
 # `tidepool generate`'s engine flags (beside its own prompt and sampling ones): the model and the
 # "engine (as LLM(...))" section, spelled as `tidepool serve` spells them.
 GENERATE_FLAGS: tuple[ServeFlag, ...] = tuple(f for f in SERVE_FLAGS if f.group in ("", "engine"))
+# The API-key flags, which `tidepool router` takes as `tidepool serve` does (tidepool.common.api_key reads them).
+AUTH_FLAGS: tuple[ServeFlag, ...] = tuple(f for f in SERVE_FLAGS if f.group == "auth")
 
 
 def flag_default(name: str) -> Any:
@@ -241,7 +252,8 @@ def add_to_parser(parser: argparse.ArgumentParser, flags: Iterable[ServeFlag] = 
         elif flag.kind == "switch":
             section.add_argument(*spellings, action="store_true", help=flag.help)
         elif flag.kind == "list":
-            section.add_argument(*spellings, nargs="+", type=str, default=flag.default, help=flag.help)
+            # "extend": `--x a b` and `--x a --x b` both give [a, b]
+            section.add_argument(*spellings, nargs="+", action="extend", type=str, default=flag.default, help=flag.help)
         else:
             section.add_argument(
                 *spellings,

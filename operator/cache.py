@@ -8,7 +8,8 @@ receives other Deployments or Pods of the cluster, in all-namespace mode too.
 
 `Store` keeps what the controller reads, compactly (1,000 services are ~10,000 children and ~2,000
 pods): a child as JSON bytes without managedFields (and without status where nothing reads it),
-plus the few fields read on every event; a pod as a `PodInfo` summary. An event whose stored form is
+plus the few fields read on every event; a pod as a `PodInfo` summary (a finished pod, Failed or
+Succeeded, is kept for its problems but is not live: nothing counts it). An event whose stored form is
 unchanged (a PDB's status, our own write echoed back) is dropped without waking the controller.
 
 Invariants: a stored object is replaced only by one with a newer resourceVersion (when both are the
@@ -34,7 +35,7 @@ from typing import Any
 from tidepool.operator.builders import LABEL_POOL, LABEL_SERVICE, LABEL_SPEC_HASH, MANAGED_BY
 from tidepool.operator.builders.lora import LORA_GATE
 from tidepool.operator.k8s import ApiError, KubeClient
-from tidepool.operator.pod_problems import container_problems, download_started
+from tidepool.operator.pod_problems import FINISHED_PHASES, download_started, problems_of, stopped_at
 
 logger = logging.getLogger("tidepool.operator.cache")
 
@@ -84,24 +85,30 @@ class PodInfo:
     group: str | None  # the replica a multi-node pod belongs to (None: the pod is a replica)
     rank: int  # its rank within the replica (0: the leader, which serves HTTP and metrics)
     is_ready: bool
-    is_terminating: bool
+    is_terminating: bool  # being deleted (deletionTimestamp)
     ip: str | None
-    problems: tuple[tuple[str, str], ...]  # (reason, message): Unschedulable, ImagePullBackOff, ...
+    problems: tuple[tuple[str, str], ...]  # (reason, message): InsufficientCapacity, Evicted, ImagePullBackOff, ...
     downloading_since: str | None = None  # its model download runs, started then (RFC 3339)
     is_serving: bool = False  # its containers are ready (it answers HTTP), whatever its readiness gates say
     lora_gate: bool | None = None  # the LoRA readiness gate's condition (None: the pod has no such gate)
+    is_finished: bool = False  # phase Failed or Succeeded (evicted, node shutdown): it never runs again
+    created: str = ""  # metadata.creationTimestamp (RFC 3339, compares as text)
+    finished_at: str | None = None  # a finished pod: when it stopped (its conditions' latest transition)
+
+    @property
+    def is_live(self) -> bool:
+        """Counts as (part of) a replica: neither being deleted nor finished. A finished pod stays in the API
+        until deleted or garbage-collected while its workload controller has already replaced it."""
+        return not self.is_terminating and not self.is_finished
 
 
 def pod_info(obj: dict[str, Any]) -> PodInfo:
     meta, status = obj["metadata"], obj.get("status") or {}
     labels = meta.get("labels") or {}
     conditions = status.get("conditions") or []
-    problems = [
-        (c.get("reason") or "Unschedulable", c.get("message", ""))
-        for c in conditions
-        if c.get("type") == "PodScheduled" and c.get("status") == "False"
-    ]
-    problems += container_problems(status)  # failed downloads, image pulls, crash loops
+    finished = status.get("phase") in FINISHED_PHASES
+    # scheduling (told apart), failed downloads, image pulls, crash loops; an eviction
+    problems = problems_of(obj.get("spec") or {}, status)
     group = next((labels[g] for g in GROUP_LABELS if g in labels), None)
     rank = next((labels[r] for r in RANK_LABELS if r in labels), "0") if group is not None else "0"
     running = status.get("phase") == "Running"
@@ -120,9 +127,12 @@ def pod_info(obj: dict[str, Any]) -> PodInfo:
         is_terminating=bool(meta.get("deletionTimestamp")),
         ip=status.get("podIP"),
         problems=tuple(problems),
-        downloading_since=download_started(status),
+        downloading_since=None if finished else download_started(status),
         is_serving=running and _containers_ready(conditions) and not meta.get("deletionTimestamp"),
         lora_gate=lora_gate,
+        is_finished=finished,
+        created=meta.get("creationTimestamp") or "",
+        finished_at=(stopped_at(status) or meta.get("creationTimestamp")) if finished else None,
     )
 
 

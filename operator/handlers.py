@@ -50,6 +50,7 @@ class OperatorOptions:
     resync_seconds: float = _CONTROLLER.resync_seconds
     feature_recheck_seconds: float = _CONTROLLER.feature_recheck_seconds  # optional CRDs are looked up again
     workers: int = _CONTROLLER.workers
+    max_concurrent_rollouts: int = _CONTROLLER.max_concurrent_rollouts  # 0: no limit (operator/rollout.py)
     kube_api_qps: float = 200.0
     kube_api_burst: int = 400
     lease: LeaseConfig | None = None  # None: no leader election (a single replica)
@@ -108,6 +109,7 @@ async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
         workers=options.workers,
         features=features,
         feature_recheck_seconds=options.feature_recheck_seconds,
+        max_concurrent_rollouts=options.max_concurrent_rollouts,
     )
     controller = Controller(client, controller_options, options.namespaces)
     http = httpx.AsyncClient()

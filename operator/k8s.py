@@ -42,7 +42,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("/api/v1", "configmaps"),
     "Service": ("/api/v1", "services"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "Secret": ("/api/v1", "secrets"),  # created only (a multi-node pool's control key), never read
+    "Secret": ("/api/v1", "secrets"),  # control keys created; spec.auth's Secret read by name (api_keys.py)
     "Pod": ("/api/v1", "pods"),
     "PersistentVolumeClaim": ("/api/v1", "persistentvolumeclaims"),
     "Event": ("/api/v1", "events"),

@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=defaults.workers, help="InferenceServices reconciled concurrently"
     )
     parser.add_argument(
+        "--max-concurrent-rollouts",
+        type=int,
+        default=defaults.max_concurrent_rollouts,
+        help="services that replace pods at once (a spec change or new operator defaults); the rest wait, "
+        "Progressing reason RolloutQueued; 0: no limit",
+    )
+    parser.add_argument(
         "--kube-api-qps", type=float, default=defaults.kube_api_qps, help="API requests per second (token bucket)"
     )
     parser.add_argument(
@@ -106,6 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value <= 0:
             print(f"tidepool operator: error: --{flag} must be > 0", file=sys.stderr)
             return 2
+    if args.max_concurrent_rollouts < 0:
+        print("tidepool operator: error: --max-concurrent-rollouts must be >= 0 (0: no limit)", file=sys.stderr)
+        return 2
     import kopf
 
     # kopf's formatter prefixes object messages with [namespace/name]; our level on top of it. It replaces
@@ -144,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         resync_seconds=args.resync_seconds,
         feature_recheck_seconds=args.feature_recheck_seconds,
         workers=args.workers,
+        max_concurrent_rollouts=args.max_concurrent_rollouts,
         kube_api_qps=args.kube_api_qps,
         kube_api_burst=args.kube_api_burst,
         lease=lease,

@@ -19,6 +19,7 @@ from typing import Any
 
 from tidepool.operator.builders import LABEL_POOL, LABEL_SPEC_HASH, WORKLOAD_KINDS, ChildKey, Desired, PoolLayout
 from tidepool.operator.cache import PodInfo
+from tidepool.operator.pod_problems import CAPACITY_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +59,13 @@ class PodProblem:
 
     pool: str
     pod: str
-    reason: str  # Unschedulable | ImagePullBackOff | CrashLoopBackOff | ...
+    reason: str  # InsufficientCapacity | NoMatchingNode | UnboundClaim | Evicted | ImagePullBackOff | ...
     message: str
 
     @property
     def is_capacity(self) -> bool:
-        return self.reason == "Unschedulable"
+        """Limits how many replicas run (ScalingLimited) rather than breaks the service (Degraded)."""
+        return self.reason in CAPACITY_REASONS
 
 
 def template_hash(workload: Mapping[str, Any]) -> str | None:
@@ -108,7 +110,7 @@ def observe_pool(
     """Counts of one pool from its live pods; `workloads` maps (kind, name) -> observed workload."""
     groups: dict[str, list[PodInfo]] = defaultdict(list)
     for pod in pods:
-        if pod.pool == layout.name and not pod.is_terminating:
+        if pod.pool == layout.name and pod.is_live:  # a Failed (evicted) or Succeeded pod never counts
             groups[pod.group if pod.group is not None else f"pod/{pod.name}"].append(pod)
     replicas = ready = updated = updated_ready = 0
     for members in groups.values():
@@ -134,12 +136,21 @@ def observe_pool(
     )
 
 
+def _replaced(pod: PodInfo, pods: Sequence[PodInfo]) -> bool:
+    """A finished pod whose pool has had a ready pod created since it stopped: its eviction is history
+    (finished pods stay in the API until deleted), not why the pool is short now."""
+    stopped = pod.finished_at or pod.created
+    return pod.is_finished and any(
+        p.pool == pod.pool and p.is_live and p.is_ready and p.created >= stopped for p in pods
+    )
+
+
 def pod_problems(pods: Sequence[PodInfo]) -> list[PodProblem]:
-    """Problems of the pods of one InferenceService that are not ready."""
+    """Problems of the pods of one InferenceService that are not ready (an evicted pod's until replaced)."""
     out = [
         PodProblem(pod.pool, pod.name, reason, message)
         for pod in pods
-        if not pod.is_ready and not pod.is_terminating
+        if not pod.is_ready and not pod.is_terminating and not _replaced(pod, pods)
         for reason, message in pod.problems
     ]
     return sorted(out, key=lambda p: (p.pool, p.pod, p.reason))

@@ -6,17 +6,19 @@ desire:  `desire()` runs the pure builders on the sync's one parsed spec (`Servi
 plan:    `plan()` (pure) compares the desired children with the observed ones from the caches: a
          child is applied when missing or when any field the operator sets differs (hand edits
          included; quantities compared by value, so `500m` == `0.5`). A cache claim is planned as
-         claims.py says (what Kubernetes cannot change is kept; a claim several services name is
-         shared, and released rather than deleted while others own it). An owned child no longer
+         claims.py says: created when absent (`Plan.claims`), applied only by the service that created
+         it (what Kubernetes cannot change is kept), used as it is by any other, and never pruned (an
+         owner reference an older operator left is taken away instead). An owned child no longer
          desired is pruned at once, except make-before-break: children of a pool being replaced
          (mode switch, a Deployment becoming StatefulSet groups or back) stay until every new pool
          serves, and so does the router's update (`Plan.hold_router`). A multi-node pool's control-key
          Secret is never compared nor applied: each full reconcile plans its creation (`Plan.create`).
 execute: `Plan.execute(client, store, versions, owner)` creates the control-key Secrets, each with a
          fresh random key, keeping any that exists (AlreadyExists: the key never changes; nothing is read
-         back), then applies (server-side apply, one field manager
-         `tidepool-operator`, force; config and RBAC before Services and workloads) and prunes; answers
-         and deletions are written through to the cache and to the verified child versions.
+         back), and the cache claims, using any that exists as it is (ClaimExists), then applies
+         (server-side apply, one field manager `tidepool-operator`, force; config and RBAC before
+         Services and workloads) and prunes; answers and deletions are written through to the cache and
+         to the verified child versions.
          `Plan.prune_deferred(...)` deletes the make-before-break leftovers once the new pools serve.
 
 No sleeps, no module-level state, no clock.
@@ -44,7 +46,15 @@ from tidepool.operator.builders import (
 )
 from tidepool.operator.builders.control_key import KEY_BYTES, SECRET_KIND, with_key
 from tidepool.operator.cache import Store, compact
-from tidepool.operator.claims import claim_as_it_can_be, released_claim, shared_claim
+from tidepool.operator.claims import (
+    CLAIM_KIND,
+    claim_as_it_can_be,
+    creator_of,
+    is_created_by,
+    reclaim_policy,
+    released_claim,
+    used_as_it_is,
+)
 from tidepool.operator.k8s import ApiError, KubeClient
 
 QUANTITY_MAPS = ("requests", "limits")  # container resources, PVC storage: every value is a quantity
@@ -57,12 +67,16 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
 
 
 def desire(
-    view: ServiceView, meta: Mapping[str, Any], features: ClusterFeatures, replicas: Mapping[str, int] | None
+    view: ServiceView,
+    meta: Mapping[str, Any],
+    features: ClusterFeatures,
+    replicas: Mapping[str, int] | None,
+    kinds: Mapping[str, str] | None = None,
 ) -> Desired:
     """The desired children and pool layouts of the object with metadata `meta`, owned by it; raises SpecError
-    for a spec no cluster can run."""
+    for a spec no cluster can run. `kinds`: each existing multi-node pool's workload kind, which it keeps."""
     name, namespace = meta["name"], meta["namespace"]
-    return desired_state(name, namespace, view, features, replicas, owner_reference(name, meta["uid"]))
+    return desired_state(name, namespace, view, features, replicas, owner_reference(name, meta["uid"]), kinds)
 
 
 def contains(observed: Any, desired: Any, quantities: bool = False) -> bool:
@@ -107,6 +121,7 @@ class Plan:
 
     apply: list[dict[str, Any]] = field(default_factory=list)
     create: list[dict[str, Any]] = field(default_factory=list)  # create once, keep if it exists (control keys)
+    claims: list[dict[str, Any]] = field(default_factory=list)  # cache claims to create; one that exists is not ours
     prune: list[dict[str, Any]] = field(default_factory=list)  # delete now
     deferred: list[dict[str, Any]] = field(default_factory=list)  # delete once the new pools serve
     events: list[Event] = field(default_factory=list)
@@ -132,12 +147,14 @@ class Plan:
         `owner` (name, uid) owns, and loses each pruned one. Returns the answers and the first error the API
         server gave."""
         create_error = await create_once(client, self.create)
+        created, claim_error = await create_claims(client, self.claims, store, self.events)
         applied, error = await apply_all(client, self.apply)
-        error = create_error or error
-        for child, obj in applied.items():
+        error = create_error or claim_error or error
+        for child, obj in {**created, **applied}.items():
             store.put(obj)
             item = compact(obj)
-            if item.owner == owner[0] and owner[1] in item.owner_uids:  # not a claim filed under another service
+            claim_of_mine = child[0] == CLAIM_KIND and is_created_by(obj, item.namespace, owner[0])
+            if item.owner == owner[0] and (owner[1] in item.owner_uids or claim_of_mine):  # not another's claim
                 versions[child] = item.version
         await _delete(client, store, self.prune, versions)
         return applied, error
@@ -159,8 +176,8 @@ async def _delete(
 
 
 def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[str, Any]], uid: str = "") -> Plan:
-    """What to apply and prune, and the Events worth telling the user. Pure. `uid`: the service's own, so that
-    a cache claim other services still own is released, not deleted."""
+    """What to apply, create and prune, and the Events worth telling the user. Pure. `uid`: the service's own, so
+    that an owner reference an older operator put on a cache claim is taken away, never followed by a delete."""
     out = Plan()
     wanted = {_key(d) for d in desired}
     created = []
@@ -169,8 +186,17 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
             out.create.append(obj)
             continue
         old = observed.get(_key(obj))
-        if old is not None and obj["kind"] == "PersistentVolumeClaim":
-            obj, kept = claim_as_it_can_be(shared_claim(obj, old), old)
+        if obj["kind"] == CLAIM_KIND and old is None:
+            out.claims.append(obj)  # created if still absent (create_claims): never applied over one that exists
+            continue
+        if old is not None and obj["kind"] == CLAIM_KIND:
+            if creator_of(old) != creator_of(obj):  # not this service's: used as it is
+                out.events.append(("Normal", "ClaimExists", used_as_it_is(_key(obj)[1], old)))
+                release = released_claim(old, uid)
+                if release is not None:
+                    out.apply.append(release)
+                continue
+            obj, kept = claim_as_it_can_be(obj, old)
             if kept:
                 out.events.append(
                     (
@@ -204,20 +230,18 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
         d["metadata"]["labels"].get(LABEL_POOL, ""): d["kind"] for d in desired if d["kind"] in WORKLOAD_KINDS
     }
     for key, obj in sorted(observed.items(), key=lambda kv: (KIND_ORDER.index(kv[0][0]), kv[0][1])):
-        if key not in wanted:
-            release = released_claim(obj, uid) if key[0] == "PersistentVolumeClaim" else None
+        if key in wanted:
+            continue
+        if key[0] == CLAIM_KIND:  # never pruned: a cache claim goes only as claims.py says (sync.py's reclaim)
+            release = released_claim(obj, uid)
             if release is not None:
                 out.apply.append(release)
                 out.events.append(
-                    (
-                        "Normal",
-                        "ClaimReleased",
-                        f"PersistentVolumeClaim {key[1]}: still used by "
-                        "other InferenceServices; this one's reference removed, the claim kept",
-                    )
-                )
-            else:
-                (out.deferred if _replaced(obj, kind_of_pool) else out.prune).append(dict(obj))
+                    ("Normal", "ClaimReleased", f"PersistentVolumeClaim {key[1]}: this service's owner reference "
+                     "(left by an older operator) removed; the claim is kept")
+                )  # fmt: skip
+            continue
+        (out.deferred if _replaced(obj, kind_of_pool) else out.prune).append(dict(obj))
     return out
 
 
@@ -261,3 +285,31 @@ async def create_once(client: KubeClient, objs: Sequence[dict[str, Any]]) -> str
         elif isinstance(answer, BaseException):
             raise answer
     return error
+
+
+async def create_claims(
+    client: KubeClient, objs: Sequence[dict[str, Any]], store: Store, events: list[Event]
+) -> tuple[dict[ChildKey, dict[str, Any]], str | None]:
+    """Create each cache claim that did not exist when planned; one that exists now (409 AlreadyExists) is used as
+    it is, never adopted (`events` gets ClaimExists; ClaimCreated for each one created). Returns the created
+    claims and the first error the API server gave; a transient one raises (the caller retries with backoff)."""
+    answers = await asyncio.gather(*(client.create(obj) for obj in objs), return_exceptions=True)
+    created: dict[ChildKey, dict[str, Any]] = {}
+    error = None
+    for obj, answer in zip(objs, answers, strict=True):
+        kind, name = _key(obj)
+        if isinstance(answer, ApiError) and answer.status == 409:
+            found = store.find(kind, obj["metadata"]["namespace"], name)
+            existing = found.body() if found is not None else None
+            if existing is None or creator_of(existing) != creator_of(obj):  # else: its own, seen late by the caches
+                events.append(("Normal", "ClaimExists", used_as_it_is(name, existing)))
+        elif isinstance(answer, ApiError) and answer.status not in TRANSIENT_STATUSES:
+            error = error or f"creating {kind} {name}: {answer.message}"
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            answer["kind"] = kind
+            created[(kind, name)] = answer
+            message = f"PersistentVolumeClaim {name} created (reclaimPolicy {reclaim_policy(obj)})"
+            events.append(("Normal", "ClaimCreated", message))
+    return created, error

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidepool.operator.api_keys import ApiKeyState
 from tidepool.operator.autoscaler.handlers import AutoscaleState
 from tidepool.operator.builders import ChildKey, Desired
 from tidepool.operator.lora.sync import LoraState
@@ -43,3 +44,4 @@ class ServiceState:
     claims_kept: set[str] = field(default_factory=set)  # the ClaimKept messages already told
     autoscale: AutoscaleState = field(default_factory=AutoscaleState)
     lora: LoraState = field(default_factory=LoraState)  # adapter loads per pod (operator/lora/sync.py)
+    api_key: ApiKeyState = field(default_factory=ApiKeyState)  # spec.auth's Secret as last read (api_keys.py)

@@ -16,7 +16,9 @@ from tidepool.operator.api import KIND, InferenceServiceStatus
 from tidepool.operator.k8s import ApiError, KubeClient
 
 # The status fields reconcile owns; `autoscaling` belongs to the autoscaler and is never written here.
-OWNED_STATUS_KEYS = ("observedGeneration", "conditions", "pools", "replicas", "selector", "url", "lora")
+OWNED_STATUS_KEYS = (
+    "observedGeneration", "conditions", "pools", "replicas", "selector", "url", "lora", "operatorDefaults",
+)  # fmt: skip
 
 
 def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatus) -> dict[str, Any] | None:

@@ -1,21 +1,27 @@
 """One InferenceService key's sync, from the caches: what a worker runs for a key it took.
 
 `sync(key)`:
-1. read the InferenceService from the cache (gone: forget its `ServiceState`; being deleted: nothing
-   to do, the garbage collector removes the children through their owner references; a finalizer
-   left by an older operator is removed so deletes never wait for us);
+1. read the InferenceService from the cache (gone: forget its `ServiceState`, and delete the cache
+   claims that claims.py says go now (reclaimPolicy Delete, creator gone, named by no service); being
+   deleted: nothing to do, the garbage collector removes the children through their owner references (a
+   cache claim has none); a finalizer left by an older operator is removed so deletes never wait for us);
 2. parse the spec once (`ServiceView.from_body`): an invalid spec is reported (InvalidSpec) and
    nothing else happens; the view is what the autoscaler and the builders read;
 3. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`); with
    the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once;
-4. reconcile, as a short list of steps (`_reconcile`), the LoRA step among them (operator/lora/sync.py:
+4. reconcile, as a short list of steps (`_reconcile`), the API-key Secret check (api_keys.py: spec.auth's
+   Secret present, its key for the pods' protected endpoints) and the LoRA step among them (operator/lora/sync.py:
    declared adapters onto serving replicas, status.lora). Fast path: when the generation, the
    autoscaler's replicas and the cluster features are those last verified and every child's version
    (generation for workloads, resourceVersion otherwise) is one already verified to match the spec,
    nothing is built or compared: only status is recomputed from cached workloads and pods. Otherwise
    (a `full` key: the jittered resync, the safety net for anything a watch could miss) the builders
    run, `plan()` compares every child and `Plan.execute` applies and prunes (reconcile.py); the
-   make-before-break leftovers go once the new pools serve (`Plan.prune_deferred`);
+   make-before-break leftovers go once the new pools serve (`Plan.prune_deferred`). Before executing,
+   pause and the operator-wide rollout budget have their say (rollout.py `steer`: a paused service gets
+   nothing applied, a rollout without a slot is held and queued); after status is computed, the budget
+   learns what the sync saw (`observed_rollout`: a finished or stalled rollout frees its slot and wakes
+   the next waiting services);
 5. write status if it changed, with the resourceVersion it was computed from. A transition (a
    condition's status or reason, observedGeneration, URL, selector, the set of pools) is written at
    once; a routine change (counts, messages: `is_routine`) at most once per `status_interval_seconds`
@@ -26,7 +32,11 @@ as verified only from the cache snapshot this reconcile compared or from what it
 one pending wake-up timer per key (autoscaler ticks, paced status); an error raises (the worker
 re-queues the key with backoff) after status says why. Events are posted for real transitions only
 (Created, Scaled, RollingOut, DriftCorrected, Pruned, InvalidSpec, ApplyFailed), and ClaimKept when a
-claim starts keeping what the spec cannot change.
+claim starts keeping what the spec cannot change, ClaimExists when a claim the spec would create exists
+and is used as it is (each once while it lasts). The recorder aggregates them (events.py: one Event per
+object, reason and message, its count moved). Status is written only when it differs from the object's
+(`status_patch`); a condition's lastTransitionTime moves only with its status, and nothing in status is a
+clock that moves by itself, so a steady service costs no status write.
 """
 
 from __future__ import annotations
@@ -41,25 +51,29 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tidepool.operator.api import InferenceServiceStatus, ServiceView, now_rfc3339
+from tidepool.operator.api import Condition, InferenceServiceStatus, ServiceView, now_rfc3339
+from tidepool.operator.api.status import OperatorDefaults
+from tidepool.operator.api_keys import ApiKeyOutcome, ApiKeys
 from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas
 from tidepool.operator.builders import WORKLOAD_KINDS, ChildKey, ClusterFeatures, Desired, SpecError
 from tidepool.operator.cache import SERVICE_KIND, Cached, Key, PodInfo, Store
-from tidepool.operator.claims import with_shared_claims
+from tidepool.operator.claims import created_claims, reclaimable_in, with_shared_claims
 from tidepool.operator.events import EventRecorder
-from tidepool.operator.features import refused_optional
+from tidepool.operator.features import refused_optional, sticky_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
 from tidepool.operator.legacy import LEGACY_FINALIZER, drop_legacy_finalizer
 from tidepool.operator.lora.sync import LoraOutcome, LoraSync
 from tidepool.operator.metrics import STATUS_DEFERRED, STATUS_WRITES
 from tidepool.operator.observe import downloads_in_progress, observe, observe_pool, old_pools, pod_problems
 from tidepool.operator.reconcile import Event, Plan, desire, plan, pruned_event
+from tidepool.operator.rollout import Held, RolloutBudget, is_paused, observed_rollout, show_held, steer
 from tidepool.operator.state import ServiceState, Verified
 from tidepool.operator.status import Outcome, build_status
 from tidepool.operator.status_write import is_routine, status_patch, write_status
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
+ONCE_WHILE_IT_LASTS = ("ClaimKept", "ClaimExists")  # Event reasons told once while their message stays the same
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +83,7 @@ class ControllerOptions:
     features: ClusterFeatures = field(default_factory=ClusterFeatures)  # options; CRD presence is detected
     feature_recheck_seconds: float = 300.0  # how often optional CRDs (LWS, ServiceMonitor, InferencePool) are looked up
     status_interval_seconds: float = 1.0  # routine status writes (counts, messages) of one key at most this often
+    max_concurrent_rollouts: int = 5  # services replacing pods at once (rollout.py); 0: no limit
 
 
 @dataclass(slots=True)
@@ -86,6 +101,9 @@ class Pass:
     plan: Plan = field(default_factory=Plan)
     error: str | None = None  # the API server refused a child
     events: list[Event] = field(default_factory=list)
+    held: Held | None = None  # paused, or its rollout queued (rollout.py): what Progressing says instead
+    is_applied: bool = True  # every change of this generation carried out (not paused or queued with changes)
+    defaults: OperatorDefaults | None = None  # the operator defaults to record in status (None: keep them)
 
 
 def _workloads(objs: Mapping[ChildKey, Mapping[str, Any]]) -> dict[ChildKey, Mapping[str, Any]]:
@@ -113,7 +131,9 @@ class ServiceSync:
         self.features = options.features  # the controller updates them when optional CRDs come or go
         self.autoscaler: Autoscaler | None = None
         self.lora: LoraSync | None = None  # the LoRA step; None: adapters are not managed (tests of other parts)
+        self.api_keys = ApiKeys(client, events, clock)  # spec.auth's Secret: checked, its key sent to pods
         self.states: dict[Key, ServiceState] = {}
+        self.budget = RolloutBudget(options.max_concurrent_rollouts)  # which services may replace pods now
         self.recheck_features = asyncio.Event()  # set when an optional kind's apply failed
         self.num_syncs = 0
         self.num_full = 0
@@ -136,6 +156,12 @@ class ServiceSync:
         if state is not None:
             state.autoscale.reset()
             state.lora.cancel()
+        self._let_start(self.budget.forget(key))
+
+    def _let_start(self, keys: list[Key]) -> None:
+        """Sync the waiting services a freed rollout slot lets start (rollout.py)."""
+        for key in keys:
+            self.queue.add(key)
 
     def _wake(self, key: Key, state: ServiceState, delay_s: float) -> None:
         """Sync `key` again in `delay_s`: one timer per key (syncs triggered by events must not add more).
@@ -151,9 +177,12 @@ class ServiceSync:
 
     async def sync(self, key: Key, full: bool = False) -> None:
         self.num_syncs += 1
+        if not self.budget.is_started:  # the caches are filled before the first sync: every service known now
+            self.budget.start(self.store.service_keys())
         cached = self.store.service(key)
         if cached is None:
             self.forget(key)
+            await self._reclaim(key[0])
             return
         body = cached.body()
         if LEGACY_FINALIZER in (body["metadata"].get("finalizers") or []):
@@ -161,6 +190,7 @@ class ServiceSync:
             self.store.put({**body, "kind": SERVICE_KIND})
             logger.info("[%s/%s] removed the finalizer of an older operator version", *key)
         if body["metadata"].get("deletionTimestamp"):
+            self._let_start(self.budget.forget(key))
             return
         state = self.states.setdefault(key, ServiceState())
         try:
@@ -196,8 +226,9 @@ class ServiceSync:
         meta = body["metadata"]
         generation = int(meta.get("generation", 1))
         replicas, scaling_limit = applied_replicas(view, body.get("status") or {})
-        fingerprint = (meta["uid"], generation, tuple(sorted((replicas or {}).items())), self.features)
-        children = self.store.children_of(key, meta["uid"])
+        replicas_key = tuple(sorted((replicas or {}).items()))
+        fingerprint = (meta["uid"], generation, replicas_key, self.features, is_paused(meta))
+        children = {**self.store.children_of(key, meta["uid"]), **created_claims(self.store, key)}
         pods = self.store.pods_of(key)
         previous = InferenceServiceStatus.model_validate(body.get("status") or {})
         versions = {k: c.version for k, c in children.items()}
@@ -209,8 +240,10 @@ class ServiceSync:
             done = await self._carry_out(key, body, view, replicas, children, pods, versions, state)
             if done is None:  # the builders refused the spec: status says why
                 return
-        lora = await self._lora(key, view, pods, state)
-        status = await self._settle(key, done, previous, pods, scaling_limit, generation, lora)
+        auth = await self._api_key(key, body, view, state)
+        lora = await self._lora(key, view, pods, state, auth.key)
+        status = await self._settle(key, done, previous, pods, scaling_limit, generation, lora, auth.problem)
+        self._steered(key, done, pods, previous.condition("Progressing"), status)
         self._remember(state, fingerprint, done, is_full=verified is None)
         await self._write(key, body, state, previous, status)
         for type_, reason, message in done.events:
@@ -232,22 +265,49 @@ class ServiceSync:
         """The full path: build, compare every child, apply and prune. None when the builders refuse the spec."""
         self.num_full += 1
         uid = body["metadata"]["uid"]
-        try:
-            desired = desire(view, body["metadata"], self.features, replicas)
+        cached = {k: c.body() for k, c in children.items()}
+        kinds = sticky_kinds(cached)  # an existing multi-node pool keeps its workload kind
+        observed = cached
+
+        def planned(features: ClusterFeatures) -> tuple[Desired, Plan]:
+            nonlocal observed
+            desired = desire(view, body["metadata"], features, replicas, kinds)
+            observed = with_shared_claims(cached, desired.children, lambda kind, name: self._found(key, kind, name))
+            todo = plan(desired.children, observed, uid)
+            if todo.deferred:  # a mode or topology switch: make before break
+                before, _ = observe(desired, _workloads(observed), pods)
+                todo.hold_router(desired, observed, all(p.is_serving_current for p in before))
+            return desired, todo
+
+        recorded = InferenceServiceStatus.model_validate(body.get("status") or {}).operator_defaults
+        try:  # pause and the rollout budget have their say (rollout.py)
+            now = self._clock()
+            steering = steer(key, body["metadata"], recorded, self.features, cached, planned, self.budget, now)
         except (ValidationError, SpecError) as exc:
             await self._invalid(key, body, state, _message(exc))
             return None
-        observed = {k: c.body() for k, c in children.items()}
-        observed = with_shared_claims(observed, desired.children, lambda kind, name: self._found(key, kind, name))
-        todo = plan(desired.children, observed, uid)
-        if todo.deferred:  # a mode or topology switch: make before break
-            before, _ = observe(desired, _workloads(observed), pods)
-            todo.hold_router(desired, observed, all(p.is_serving_current for p in before))
+        self._let_start(steering.wake)
+        desired, todo = steering.desired, steering.plan
         applied, error = await todo.execute(self.client, self.store, versions, (key[1], uid))
         if error and refused_optional(todo.apply, applied):
             self.recheck_features.set()  # its CRD may be gone: discovery now, not at the next period
         events = self._untold(state, todo.events) + ([pruned_event(todo.prune)] if todo.prune else [])
-        return Pass(desired, versions, _workloads({**observed, **applied}), todo, error, events)
+        workloads = _workloads({**observed, **applied})
+        done = Pass(desired, versions, workloads, todo, error, events, steering.held, steering.is_applied)
+        done.defaults = steering.defaults
+        return done
+
+    def _steered(
+        self, key: Key, done: Pass, pods: list[PodInfo], before: Condition | None, status: InferenceServiceStatus
+    ) -> None:
+        """After status is computed: the rollout budget learns what the sync saw (a finished or stalled rollout
+        frees its slot), status records the operator defaults rolled out and says paused or queued (rollout.py)."""
+        replacing, now = bool(done.plan.deferred), self._clock()
+        self._let_start(observed_rollout(self.budget, key, done.desired, done.workloads, pods, replacing, status, now))
+        if done.defaults is not None:
+            status.operator_defaults = done.defaults
+        if done.held is not None:
+            done.events += show_held(status, done.held, before, now_rfc3339())
 
     async def _settle(
         self,
@@ -258,6 +318,7 @@ class ServiceSync:
         scaling_limit: tuple[str, str] | None,
         generation: int,
         lora: LoraOutcome,
+        auth_problem: str | None = None,
     ) -> InferenceServiceStatus:
         """Observe the pools, prune what make-before-break kept once the new pools serve, and compute status."""
         pools, router = observe(done.desired, done.workloads, pods)
@@ -269,8 +330,10 @@ class ServiceSync:
             logger.info("[%s/%s] keeping %d old children until the new pools serve", *key, len(done.plan.deferred))
         old = old_pools(done.plan.deferred, done.desired)
         replaced = [observe_pool(layout, done.workloads, pods) for layout in old]
-        outcome = Outcome(apply_error=done.error, applied=done.error is None, scaling_limit=scaling_limit)
+        applied = done.error is None and done.is_applied  # paused or queued with changes: generation not applied
+        outcome = Outcome(apply_error=done.error, applied=applied, scaling_limit=scaling_limit)
         outcome.adapter_failures = lora.failures
+        outcome.auth_problem = auth_problem
         if not all(m.is_complete for m in members):
             outcome.pod_problems = pod_problems(pods)
             outcome.downloading = downloads_in_progress(pods)
@@ -285,11 +348,21 @@ class ServiceSync:
         status.lora = lora.status
         return status
 
-    async def _lora(self, key: Key, view: ServiceView, pods: list[PodInfo], state: ServiceState) -> LoraOutcome:
+    async def _api_key(self, key: Key, body: dict[str, Any], view: ServiceView, state: ServiceState) -> ApiKeyOutcome:
+        """spec.auth's Secret (api_keys.py): its key for the LoRA step, a problem for status; a missing Secret is
+        looked for again by a wake-up (the operator does not watch Secrets)."""
+        outcome = await self.api_keys.check(body, view, state.api_key, state.lora.take_key_refused())
+        if outcome.wake_s is not None:
+            self._wake(key, state, outcome.wake_s)
+        return outcome
+
+    async def _lora(
+        self, key: Key, view: ServiceView, pods: list[PodInfo], state: ServiceState, api_key: str | None = None
+    ) -> LoraOutcome:
         """The LoRA step (operator/lora/sync.py): adapters onto serving replicas; a failed load's retry timer."""
         if self.lora is None:
             return LoraOutcome(None, [], None)
-        outcome = await self.lora.step(key, view, pods, state.lora)
+        outcome = await self.lora.step(key, view, pods, state.lora, api_key)
         if outcome.wake_s is not None:
             self._wake(key, state, outcome.wake_s)
         return outcome
@@ -300,18 +373,28 @@ class ServiceSync:
         if done.error:
             state.verified = None
         else:
-            waiting = bool(done.plan.deferred) or done.plan.held_router
+            waiting = bool(done.plan.deferred) or done.plan.held_router or done.held is not None
             state.verified = Verified(fingerprint, done.versions, done.desired.without_children(), waiting)
         if is_full:
             state.resync_due = time.monotonic() + self.options.resync_seconds * random.uniform(0.9, 1.1)
 
     def _untold(self, state: ServiceState, events: list[Event]) -> list[Event]:
-        """A full reconcile's events, less the ClaimKept warnings its previous one already told (a claim keeps
-        what the spec cannot change for as long as both stay as they are: say so once, and again only after
-        it stopped)."""
+        """A full reconcile's events, less the ClaimKept and ClaimExists ones its previous one already told (a
+        claim keeps what the spec cannot change, or is used as it is, for as long as both stay as they are: say
+        so once, and again only after it stopped)."""
         told = state.claims_kept
-        state.claims_kept = {message for _, reason, message in events if reason == "ClaimKept"}
-        return [e for e in events if e[1] != "ClaimKept" or e[2] not in told]
+        state.claims_kept = {message for _, reason, message in events if reason in ONCE_WHILE_IT_LASTS}
+        return [e for e in events if e[1] not in ONCE_WHILE_IT_LASTS or e[2] not in told]
+
+    async def _reclaim(self, namespace: str) -> None:
+        """Delete the cache claims of `namespace` that claims.py says go now (created by the operator with
+        reclaimPolicy Delete, their creator gone, named by no InferenceService). Runs whenever a service's key
+        finds it gone (its deletion; at start, for a claim whose creator went while the operator was down)."""
+        for claim in reclaimable_in(self.store, namespace):
+            await self.client.delete(claim)  # uid precondition: never a newer claim of that name
+            self.store.delete(claim)
+            logger.info("[%s/%s] deleted cache claim (reclaimPolicy Delete; its creator is gone, no service names it)",
+                        namespace, claim["metadata"]["name"])  # fmt: skip
 
     def _found(self, key: Key, kind: str, name: str) -> dict[str, Any] | None:
         found = self.store.find(kind, key[0], name)
@@ -354,6 +437,7 @@ class ServiceSync:
         status = build_status(previous, generation, [], None, outcome, None, None, None, now_rfc3339())
         degraded = previous.condition("Degraded")
         state.verified = None
+        self._let_start(self.budget.observe(key, None, False, False, True, self._clock()))  # a stalled rollout
         await self._write(key, body, state, previous, status)
         if degraded is None or degraded.reason != "InvalidSpec" or degraded.message != message:
             logger.info("[%s/%s] invalid spec: %s", *key, message)

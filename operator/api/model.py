@@ -21,6 +21,8 @@ from tidepool.operator.api.types import DnsSubdomain, PositiveQuantity, Quantity
 Quantization = Literal[("none", *FLAGS["quantization"].choices)]  # type: ignore[valid-type]
 Sparsity = Literal[("none", *FLAGS["sparsity"].choices)]  # type: ignore[valid-type]
 AccessMode = Literal["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]
+# What becomes of a cache claim the operator created once the service that created it is deleted (claims.py).
+ReclaimPolicy = Literal["Retain", "Delete"]
 # The per-pod cache when spec.modelCache is unset or sets emptyDir without sizeLimit: room for a model of
 # ~50B parameters in bf16 (safetensors are ~2 bytes per parameter). Bigger models need a larger limit.
 DEFAULT_CACHE_SIZE_LIMIT = "100Gi"
@@ -89,11 +91,29 @@ class ModelSource(ApiModel):
 
 
 class CacheClaim(ApiModel):
-    """A PersistentVolumeClaim holding the weights, shared by every pod that mounts it."""
+    """A PersistentVolumeClaim holding the weights, shared by every pod (and every InferenceService) that mounts it.
 
-    claim_name: DnsSubdomain = Field(description="Name of the PersistentVolumeClaim (in this namespace).")
+    The operator creates the claim only when `size` is set and no claim of that name exists; it never adopts,
+    changes or deletes a claim it did not create. One claim may serve several InferenceServices: the one whose
+    reconcile created it is its creator (its size, class, access modes and reclaim policy are the claim's); the
+    others use it as it is. The claim carries no owner reference, so no service's deletion removes it through
+    the garbage collector.
+    """
+
+    claim_name: DnsSubdomain = Field(
+        description=(
+            "Name of the PersistentVolumeClaim (in this namespace). Several InferenceServices may name one claim: "
+            "they share the cached weights (use ReadWriteMany for pods on several nodes)."
+        )
+    )
     size: PositiveQuantity | None = Field(
-        default=None, description="Set to have the operator create the claim with this size; unset: it must exist."
+        default=None,
+        description=(
+            "Set to have the operator create the claim with this size when no claim of that name exists (an "
+            "existing claim is used as it is: never adopted, changed nor deleted; an Event says so). Raising it "
+            "later resizes a claim this service created once it is bound (never downwards). Unset: the claim must "
+            "exist; removing size never deletes a claim."
+        ),
     )
     storage_class_name: DnsSubdomain | None = Field(
         default=None, description="StorageClass of a claim the operator creates (needs size); unset: default class."
@@ -105,6 +125,17 @@ class CacheClaim(ApiModel):
         description=(
             "Access modes of a claim the operator creates (needs size); unset: [ReadWriteMany], so pods on every "
             "node share one copy. ReadWriteOnce confines all engine pods to the node the volume attaches to."
+        ),
+    )
+    reclaim_policy: ReclaimPolicy = Field(
+        default="Retain",
+        description=(
+            "What becomes of a claim this service creates (recorded on the claim as annotation "
+            "tidepool.dev/reclaim-policy, kept in step with this spec while it sets size; the other services "
+            "naming the claim do not change it): Retain (default) keeps it after every "
+            "InferenceService using it is deleted (delete it by hand); Delete has the operator delete it once "
+            "the InferenceService that created it is deleted and no other InferenceService in the namespace "
+            "names it. Never deleted because a field was removed or the spec changed. Delete needs size."
         ),
     )
 

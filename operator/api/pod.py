@@ -11,10 +11,11 @@ Where each field lands (builders/overrides.py applies them; the router takes onl
 - router pod: tolerations, priorityClassName, imagePullSecrets from spec.pod, plus router.nodeSelector,
   router.tolerations (after spec.pod's) and router.resources. The router needs no GPU node, so the
   engine's nodeSelector, affinity, topology spread and runtimeClassName do not follow it.
-A pool's `pod` is merged over spec.pod: maps merge (the pool's key wins), lists append, except lists of
-named entries (env, volumes, imagePullSecrets by name; volumeMounts by mountPath), where the pool's
-entry replaces the global one of the same key in place; scalars replace; affinity merges per kind
-(nodeAffinity, podAffinity, podAntiAffinity) and resources per resource name.
+A pool's `pod` (`PoolPodOverrides`: spec.pod's fields but volumes, which the service declares once: a fourth
+copy of the volume sources would take the CRD past what client-side apply can store) is merged over spec.pod:
+maps merge (the pool's key wins), lists append, except lists of named entries (env, imagePullSecrets by name;
+volumeMounts by mountPath), where the pool's entry replaces the global one of the same key in place; scalars
+replace; affinity merges per kind (nodeAffinity, podAffinity, podAntiAffinity) and resources per resource name.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints
 
 from tidepool.contract.wire import CONTROL_KEY_MOUNT_PATH
+from tidepool.operator.api.auth import API_KEY_MOUNT_DIR, API_KEY_VOLUME
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.kube import (
     OPTIONAL_QUALIFIED_NAME_RE,
@@ -45,12 +47,15 @@ from tidepool.operator.api.types import DnsSubdomain, Quantity
 # not allocate to it (the container toolkit reads it).
 RESERVED_ENV_NAMES: tuple[str, ...] = ("HOME", "HF_HOME", "NVIDIA_VISIBLE_DEVICES")
 RESERVED_ENV_PREFIXES: tuple[str, ...] = ("TIDEPOOL_", "LWS_")
-# Volumes of the engine pod (builders/engine.py, sources.py, control_key.py): scratch, shared memory, model
-# cache, a multi-node pool's control key; a pvc:// model source's volume is "pvc-" + 10 hex digits.
-RESERVED_VOLUME_NAMES: tuple[str, ...] = ("tmp", "dshm", "model-cache", "control-key")
+# Volumes of the engine pod (builders/engine.py, sources.py, control_key.py, auth.py): scratch, shared memory,
+# model cache, a multi-node pool's control key, spec.auth's API keys; a pvc:// model source's volume is
+# "pvc-" + 10 hex digits.
+RESERVED_VOLUME_NAMES: tuple[str, ...] = ("tmp", "dshm", "model-cache", "control-key", API_KEY_VOLUME)
 RESERVED_VOLUME_NAME_RE = r"^pvc-[0-9a-f]{10}$"
 # Paths the operator mounts into the engine container; an override may mount neither at nor under them.
-RESERVED_MOUNT_PATHS: tuple[str, ...] = ("/tmp", "/dev/shm", "/models", posixpath.dirname(CONTROL_KEY_MOUNT_PATH))
+RESERVED_MOUNT_PATHS: tuple[str, ...] = (
+    "/tmp", "/dev/shm", "/models", posixpath.dirname(CONTROL_KEY_MOUNT_PATH), API_KEY_MOUNT_DIR,
+)  # fmt: skip
 # Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
 RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PREFIX = "hugepages-"
@@ -111,8 +116,9 @@ class ContainerResources(ApiModel):
     limits: ResourceList = _resource_list("Limits by resource name; each replaces the operator's value.")
 
 
-class PodOverrides(ApiModel):
-    """Settings copied onto the engine pods (and, as listed in the module docstring, the router pod)."""
+class PoolPodOverrides(ApiModel):
+    """`pools.<name>.pod`: what one pool changes on its engine pods, merged over spec.pod. Every field of
+    spec.pod but `volumes`, which the service declares once in spec.pod (a pool's volumeMounts may name them)."""
 
     node_selector: NodeSelectorMap = Field(
         default_factory=dict, max_length=32, description="Extra node selector labels."
@@ -140,12 +146,6 @@ class PodOverrides(ApiModel):
     env_from: list[EnvFromSource] = Field(
         default_factory=list, max_length=16, description="Secrets/ConfigMaps whose keys become env of the engine."
     )
-    volumes: list[Volume] = Field(
-        default_factory=list,
-        max_length=16,
-        description="Extra volumes (configMap, secret, emptyDir, persistentVolumeClaim, projected, downwardAPI, "
-        "csi, ephemeral: what Pod Security 'restricted' allows).",
-    )
     volume_mounts: list[VolumeMount] = Field(
         default_factory=list, max_length=16, description="Mounts of pod.volumes into the engine container."
     )
@@ -162,4 +162,15 @@ class PodOverrides(ApiModel):
     )
     host_ipc: bool | None = Field(
         default=None, alias="hostIPC", description="Refused when true (Pod Security 'restricted')."
+    )
+
+
+class PodOverrides(PoolPodOverrides):
+    """`spec.pod`: settings copied onto the engine pods (and, as listed in the module docstring, the router pod)."""
+
+    volumes: list[Volume] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Extra volumes (configMap, secret, emptyDir, persistentVolumeClaim, projected, downwardAPI, "
+        "csi, ephemeral: what Pod Security 'restricted' allows).",
     )

@@ -54,14 +54,14 @@ def _cel_resource_keys(field: str) -> str:
 def _mounts_ok(x: s.InferenceServiceSpec) -> bool:
     names = {v.name for v in x.pod.volumes}
     pools = [x.pod] + [pool.pod for pool in (x.pools.unified, x.pools.prefill, x.pools.decode) if pool and pool.pod]
-    return all(mnt.name in names | {v.name for v in pod.volumes} for pod in pools for mnt in pod.volume_mounts)
+    return all(mnt.name in names for pod in pools for mnt in pod.volume_mounts)
 
 
 def _cel_pool_mounts(pool: str) -> str:
     pod = f"self.pools.{pool}.pod"
     return (
-        f"(!has(self.pools.{pool}) || !has({pod}) || {pod}.volumeMounts.all(m, "
-        f"{pod}.volumes.exists(v, v.name == m.name) || self.pod.volumes.exists(v, v.name == m.name)))"
+        f"(!has(self.pools.{pool}) || !has({pod}) || "
+        f"{pod}.volumeMounts.all(m, self.pod.volumes.exists(v, v.name == m.name)))"
     )
 
 
@@ -177,37 +177,43 @@ POD_RULES: tuple[Rule, ...] = (
         lambda r: all(p.allowed_resource(n) for n in (*r.requests, *r.limits)),
     ),
     Rule(
-        p.PodOverrides,
+        p.PoolPodOverrides,
         "!(has(self.hostNetwork) && self.hostNetwork) && !(has(self.hostPID) && self.hostPID) && "
         "!(has(self.hostIPC) && self.hostIPC)",
         "pod.hostNetwork, hostPID and hostIPC are refused (Pod Security 'restricted'); engines use the pod network",
         lambda o: not (o.host_network or o.host_pid or o.host_ipc),
     ),
     Rule(
-        p.PodOverrides,
+        p.PoolPodOverrides,
         "self.env.all(e, self.env.exists_one(f, f.name == e.name))",
         "pod.env names must be unique",
         lambda o: _unique(o.env, "name"),
         ".env",
     ),
-    Rule(
+    Rule(  # spec.pod's volumes; the mounts, which a pool has too, below
         p.PodOverrides,
-        "self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name)) && "
-        "self.volumeMounts.all(v, self.volumeMounts.exists_one(w, w.mountPath == v.mountPath))",
-        "pod.volumes names and pod.volumeMounts mountPaths must be unique",
-        lambda o: _unique(o.volumes, "name") and _unique(o.volume_mounts, "mount_path"),
+        "self.volumes.all(v, self.volumes.exists_one(w, w.name == v.name))",
+        "pod.volumes names must be unique",
+        lambda o: _unique(o.volumes, "name"),
         ".volumes",
+    ),
+    Rule(
+        p.PoolPodOverrides,
+        "self.volumeMounts.all(v, self.volumeMounts.exists_one(w, w.mountPath == v.mountPath))",
+        "pod.volumeMounts mountPaths must be unique",
+        lambda o: _unique(o.volume_mounts, "mount_path"),
+        ".volumeMounts",
     ),
     Rule(
         s.InferenceServiceSpec,
         "self.pod.volumeMounts.all(m, self.pod.volumes.exists(v, v.name == m.name)) && "
         + " && ".join(_cel_pool_mounts(pool) for pool in s.POOL_NAMES),
-        "every pod.volumeMounts name must be a volume of the same pod.volumes "
-        "(a pool's pod.volumeMounts may also name one of spec.pod.volumes)",
+        "every pod.volumeMounts name must be a volume of spec.pod.volumes "
+        "(a pool's pod declares no volumes of its own: its volumeMounts name spec.pod's)",
         _mounts_ok,
         ".pod",
     ),
-    _label_keys(p.PodOverrides, ("node_selector", "annotations"), "pod.nodeSelector and pod.annotations"),
+    _label_keys(p.PoolPodOverrides, ("node_selector", "annotations"), "pod.nodeSelector and pod.annotations"),
     _label_keys(s.RouterSpec, ("node_selector",), "router.nodeSelector"),
     _label_keys(sc.LabelSelector, ("match_labels",), "a label selector's matchLabels"),
     _label_keys(k.ClaimMetadata, ("labels", "annotations"), "an ephemeral volume claim's labels and annotations"),
@@ -249,7 +255,7 @@ POD_RULES: tuple[Rule, ...] = (
         ".minDomains",
     ),
     Rule(
-        p.PodOverrides,
+        p.PoolPodOverrides,
         "self.topologySpreadConstraints.all(c, self.topologySpreadConstraints.exists_one(d, "
         "d.topologyKey == c.topologyKey && d.whenUnsatisfiable == c.whenUnsatisfiable))",
         "pod.topologySpreadConstraints must not repeat a topologyKey with the same whenUnsatisfiable",

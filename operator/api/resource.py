@@ -23,7 +23,8 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 # Not `isvc`: KServe's InferenceService owns that short name, and both CRDs may live in one cluster.
 SHORT_NAMES = ("tpisvc",)
-CATEGORIES = ("tidepool", "all")
+# Not `all`: `kubectl delete all --all` must not reach services (and, through owner references, their caches).
+CATEGORIES = ("tidepool",)
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
 

@@ -19,6 +19,8 @@ from tidepool.contract.serve_flags import managed_spellings
 from tidepool.operator.api import model as m
 from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
+from tidepool.operator.api.auth import AUTH_RULES
+from tidepool.operator.api.availability import AVAILABILITY_RULES
 from tidepool.operator.api.lora_rules import LORA_RULES, ROOT_RULE_MESSAGE, served_name_clash
 from tidepool.operator.api.pod_rules import POD_RULES
 from tidepool.operator.api.resource_rules import RESOURCE_RULES
@@ -120,6 +122,14 @@ _CORE_RULES: tuple[Rule, ...] = (
             or x.resources.gpus_per_replica == 0
         ),
         ".resources.gpusPerReplica",
+    ),
+    Rule(  # the engine shards plain layers only (engine/distributed/tp.py): the pods would crash-loop
+        s.InferenceServiceSpec,
+        "self.parallelism.tensor == 1 || self.model.quantization == 'none'",
+        "parallelism.tensor > 1 needs model.quantization none: the engine splits only unquantized layers across "
+        "tensor ranks; serve a quantized model with parallelism.tensor 1",
+        lambda x: x.parallelism.tensor == 1 or x.model.quantization == "none",
+        ".parallelism.tensor",
     ),
     Rule(
         s.InferenceServiceSpec,
@@ -291,11 +301,20 @@ _CORE_RULES: tuple[Rule, ...] = (
         lambda c: c.size is not None or c.access_modes is None,
         ".accessModes",
     ),
+    Rule(
+        m.CacheClaim,
+        "has(self.size) || !has(self.reclaimPolicy) || self.reclaimPolicy == 'Retain'",
+        "modelCache.persistentVolumeClaim.reclaimPolicy Delete needs size (it applies only to a claim the operator "
+        "creates; a claim it did not create is never deleted by it)",
+        lambda c: c.size is not None or c.reclaim_policy == "Retain",
+        ".reclaimPolicy",
+    ),
 )
 
 # pod_rules.py: what a pod override may not do; resource_rules.py: no request above its limit once merged;
 # lora_rules.py: spec.lora (its root rule, adapter names vs metadata.name: checked below, put in the CRD by crdgen)
-SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES + LORA_RULES
+# availability.py: a pool's disruptionBudget sets exactly one of its two fields; auth.py: the API-key file's name
+SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES + LORA_RULES + AVAILABILITY_RULES + AUTH_RULES
 
 # Root-level rules (self = the whole object); CEL may read metadata.name there.
 NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"
@@ -305,8 +324,8 @@ NAME_RULE_MESSAGE = (
 
 
 def rules_for(model: type[BaseModel]) -> list[Rule]:
-    """Rules evaluated on objects of exactly this model class."""
-    return [r for r in SPEC_RULES if r.where is model]
+    """Rules evaluated on objects of this model class: its own and those of its bases (crdgen attaches both)."""
+    return [r for r in SPEC_RULES if issubclass(model, r.where)]
 
 
 def _walk(obj: BaseModel) -> list[BaseModel]:

@@ -18,12 +18,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StringConstraints
 
 from tidepool.contract.serve_flags import FLAGS, managed_spellings
+from tidepool.operator.api.auth import AuthSpec
+from tidepool.operator.api.availability import DisruptionBudget
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.kube import LABEL_VALUE_RE
 from tidepool.operator.api.lora import LoraSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
-from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, Toleration
+from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, PoolPodOverrides, Toleration
 from tidepool.operator.api.types import IntOrPercent, Quantity
 
 POOL_UNIFIED = "unified"
@@ -192,8 +194,17 @@ class PoolSpec(ApiModel):
     min_replicas: ReplicaCount = Field(default=1, description="Lower bound for the autoscaler (0 needs scaleToZero).")
     max_replicas: ReplicaCount = Field(default=4, description="Upper bound for the autoscaler.")
     resources: ResourceOverrides | None = Field(default=None, description="Overrides of spec.resources for this pool.")
-    pod: PodOverrides | None = Field(
-        default=None, description="Merged over spec.pod for this pool (maps merge, lists append, scalars replace)."
+    pod: PoolPodOverrides | None = Field(
+        default=None,
+        description="Merged over spec.pod for this pool (maps merge, lists append, scalars replace): spec.pod's "
+        "fields (documented there) but volumes, which spec.pod declares for every pool (volumeMounts may name them).",
+    )
+    disruption_budget: DisruptionBudget | None = Field(
+        default=None,
+        description=(
+            "This pool's PodDisruptionBudget (exactly one of maxUnavailable or minAvailable); unset: maxUnavailable: "
+            "1, which lets a drain evict a single-replica pool (minAvailable: 1 there blocks the drain instead)."
+        ),
     )
 
 
@@ -209,7 +220,12 @@ class RouterSpec(ApiModel):
     """The data-plane router in front of the pools."""
 
     replicas: ReplicaCount = Field(
-        default=1, description="Router replicas; at least 1 in disaggregated mode and with scale-to-zero."
+        default=2,
+        description=(
+            "Router replicas (default 2, spread across nodes and zones, with a PodDisruptionBudget keeping one up: "
+            "minAvailable 1 from 2 replicas, maxUnavailable 1 below). At least 1 in disaggregated mode and with "
+            "scale-to-zero; 0 in unified mode runs no router (status.url is then the pool's Service)."
+        ),
     )
     policy: RouterPolicy = Field(default="prefix-aware", description="How the router picks an engine replica.")
     node_selector: NodeSelectorMap = Field(
@@ -319,6 +335,9 @@ class InferenceServiceSpec(ApiModel):
     lora: LoraSpec | None = Field(
         default=None,
         description="LoRA adapters on the base model, added and removed without restarting pods; unset: no LoRA.",
+    )
+    auth: AuthSpec | None = Field(
+        default=None, description="API keys required on the engine and router endpoints; unset: no authentication."
     )
 
     def pool_names(self) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """`InferenceService.status` as pydantic models (written by the operator, read by kubectl/HPA).
 
-Invariants: condition types are Ready, Progressing, Degraded, ScalingLimited; a condition's
+Invariants: condition types are Ready, Progressing, Degraded, ScalingLimited, and kstatus' abnormal-true
+pair Reconciling and Stalled (never both True; operator/status.py decides them); a condition's
 lastTransitionTime changes only when its status does (see `set_condition`). `replicas` and
 `selector` serve the scale subresource and describe the scaled pool (unified, or decode when
 disaggregated); `selector` is a label-selector string (`a=b,c=d`) matching that pool's pods.
@@ -17,7 +18,7 @@ from pydantic import ConfigDict, Field, StringConstraints
 
 from tidepool.operator.api.base import ApiModel
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "ScalingLimited", "Reconciling", "Stalled")
 ConditionStatus = Literal["True", "False", "Unknown"]
 AdapterState = Literal["Ready", "Loading", "Failed", "Pending"]
 Timestamp = Annotated[str, StringConstraints(max_length=64), Field(json_schema_extra={"format": "date-time"})]
@@ -42,7 +43,7 @@ class Condition(StatusModel):
     """A metav1.Condition."""
 
     type: Annotated[str, StringConstraints(min_length=1, max_length=316)] = Field(
-        description="Ready, Progressing, Degraded or ScalingLimited."
+        description="Ready, Progressing, Degraded, ScalingLimited, Reconciling or Stalled."
     )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: _Reason = Field(default="", description="CamelCase reason for the last transition.")
@@ -136,16 +137,38 @@ class LoraAdapterStatus(StatusModel):
     pools: list[LoraPoolStatus] = Field(default_factory=list, max_length=3, description="Per pool.")
 
 
+class OperatorDefaults(StatusModel):
+    """The operator's default images a service's children were last rolled out with (operator/rollout.py)."""
+
+    engine_image: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Engine image of a service without spec.engine.image (--engine-image)."
+    )
+    router_image: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Router image (--router-image); unset: the engine image."
+    )
+    hf_download_image: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Image of the hf:// download init (--hf-download-image); unset: the engine image."
+    )
+    s3_download_image: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Image of the s3:// download init (--s3-download-image)."
+    )
+
+
 class InferenceServiceStatus(StatusModel):
     """Observed state of an InferenceService."""
 
     observed_generation: int | None = Field(
-        default=None, ge=0, description="metadata.generation the operator last reconciled."
+        default=None,
+        ge=0,
+        description="metadata.generation the conditions describe: applied, or found invalid (see Stalled).",
     )
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=16,
-        description="Ready, Progressing, Degraded, ScalingLimited.",
+        description=(
+            "Ready, Progressing, Degraded, ScalingLimited; Reconciling and Stalled follow kstatus (Flux, Argo CD): "
+            "Reconciling=True until this generation serves, Stalled=True when something blocks it."
+        ),
         # One entry per type, merged by type under server-side apply (as metav1.Condition lists are).
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
@@ -164,6 +187,12 @@ class InferenceServiceStatus(StatusModel):
         default=None,
         max_length=64,
         description="Each declared LoRA adapter's readiness per pool (spec.lora); unset without spec.lora.",
+    )
+
+    operator_defaults: OperatorDefaults | None = Field(
+        default=None,
+        description="The operator's default images this service was last rolled out with: an operator upgrade that "
+        "changes them rolls the service through the operator's rollout budget (--max-concurrent-rollouts).",
     )
 
     def condition(self, type_: str) -> Condition | None:

@@ -17,12 +17,23 @@ left in `status.autoscaling` and the service's metric series. A switch between a
 starts afresh: the other mode's stabilization state, lastScaleTime and metric series are dropped.
 
 Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
-operator resumes from it without scaling anything down: replicas come from status, and the
-stabilization state is read back with its times moved `PERSIST_S` later (status is refreshed at
-least that often, so restored times are never earlier than the truth; a restart can delay a
-scale-down by at most `PERSIST_S`, never hasten one). Only the metrics windows live in memory
-(losing them costs one window; incomplete data never scales down). Status is written when the
-decision changes, else at most every `PERSIST_S`, with the resourceVersion it was computed from.
+operator resumes from it without scaling anything down: replicas come from status, and so does the
+stabilization state. Quiet at scale: status is written only when the decision or the state changes
+materially (`_material`: mode, desired replicas, limits, lastScaleTime, the newest raw recommendation,
+whether the deciding tick saw requests), never to refresh times; the inputs and the reason's wording
+in status are those of the last write. That is enough to restore from, because the newest
+recommendation holds until a different one is made (a different one is a write) and so does
+activity (a tick that sees none after one that did is a write): `restore_history` takes the newest
+recommendation as made now, and lastActiveTime as now when the write's tick saw requests; every
+other time is exact (it was written when it stopped moving). Recommendations that age out of the
+windows need no write: restored, they age out by their times. A restart can thus delay a
+scale-down by at most its windows, never hasten one. Only the metrics windows live in memory
+(losing them costs one window; incomplete data never scales down). Every write carries the
+resourceVersion it was computed from.
+
+Events: `Scaled` (active) and `AdvisoryScale` (advisory) are posted when the decision scales and its
+desired replicas differ from those status held, i.e. on change, never per tick; each reason is one
+aggregated Event per service (`DECISION_EVENT_KEY`, see operator/events.py), updated in place.
 
 Environment: TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE (synthetic feed, see collector.UrlTemplateSource),
 else TIDEPOOL_PROMETHEUS_URL (a Prometheus server's /federate), else the ready pods in the
@@ -45,6 +56,7 @@ from prometheus_client import Counter, Gauge
 
 from tidepool.operator.api import KIND, ServiceView
 from tidepool.operator.cache import Key, PodInfo
+from tidepool.operator.pod_problems import SCHEDULING_REASONS
 
 from .collector import Collector, MetricsSource, PodsSource, PrometheusSource, UrlTemplateSource, snapshots
 from .config import config_from_view
@@ -59,12 +71,13 @@ CURRENT = Gauge("tidepool_autoscaler_current_replicas", "Replicas when deciding"
 READY = Gauge(
     "tidepool_autoscaler_ready_replicas", "Ready replicas when deciding (status.pools)", ["namespace", "name", "pool"]
 )
-PERSIST_S = 60.0
 MAX_RECOMMENDATIONS = 64
+# The autoscaler's decision Events group under this key: one Event per reason per service, updated in place.
+DECISION_EVENT_KEY = "decision"
 logger = logging.getLogger("tidepool.operator.autoscaler")
 
 Series = tuple[Any, tuple[str, ...]]  # (metric, label values)
-EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None]]
+EventSink = Callable[[Mapping[str, Any], str, str, str, str | None], Awaitable[None]]  # obj, type, reason, msg, key
 
 
 def _rfc3339(t: float) -> str:
@@ -91,21 +104,29 @@ def applied_replicas(
 
 
 def restore_history(auto: Mapping[str, Any], now: float) -> History:
-    """The policy's state from status, times moved PERSIST_S later (never past now): see the module docstring."""
-
-    def later(t: float | None) -> float | None:
-        return None if t is None else min(t + PERSIST_S, now)
-
+    """The policy's state from status (see the module docstring): every recommendation at its recorded time but
+    the newest, which still holds (as made `now`); lastActiveTime `now` when the writing tick saw requests."""
     recs = []
     for rec in auto.get("recommendations") or []:
         t = _epoch(rec.get("time"))
         if t is not None:
-            recs.append((later(t), {k: int(v) for k, v in (rec.get("replicas") or {}).items()}))
+            recs.append((min(t, now), {k: int(v) for k, v in (rec.get("replicas") or {}).items()}))
+    if recs:
+        recs[-1] = (now, recs[-1][1])
+    last_active = _epoch(auto.get("lastActiveTime"))
     return History(
         recommendations=tuple(recs),
         last_scale_time=_epoch(auto.get("lastScaleTime")),
-        last_active_time=later(_epoch(auto.get("lastActiveTime"))),
+        last_active_time=now if _was_active(auto) else (None if last_active is None else min(last_active, now)),
     )
+
+
+def _was_active(auto: Mapping[str, Any]) -> bool:
+    """Whether the tick that wrote `auto` saw requests: lastActiveTime is that tick's time, which is also the
+    time of the newest recommendation (every tick adds one, an equal earlier one dropped)."""
+    recs = auto.get("recommendations") or []
+    active, decided = _epoch(auto.get("lastActiveTime")), _epoch(recs[-1].get("time")) if recs else None
+    return active is not None and decided is not None and active >= decided
 
 
 def _recommendations(history: History) -> list[dict[str, Any]]:
@@ -167,14 +188,16 @@ def _prediction_inputs(prediction: Prediction | None) -> dict[str, float | None]
 
 
 def _material(auto: Mapping[str, Any]) -> Any:
-    """What must reach the cluster at once: the decision and the state, not the inputs, the reason's
-    wording (its numbers move with every scrape) or the times of the state (refreshed every PERSIST_S)."""
+    """What a status write is for: the decision and what restoring the state needs (module docstring), not
+    the inputs, the reason's wording (its numbers move with every scrape) or times that only move."""
+    recs = auto.get("recommendations") or []
     return (
         auto.get("mode"),
         auto.get("limited"),
         auto.get("lastScaleTime"),
         {p: v.get("desiredReplicas") for p, v in (auto.get("pools") or {}).items()},
-        [r.get("replicas") for r in auto.get("recommendations") or []],
+        recs[-1].get("replicas") if recs else None,
+        _was_active(auto),
     )
 
 
@@ -194,7 +217,6 @@ class AutoscaleState:
 
     history: History | None = None  # the policy's state; None: read back from status at the next tick
     next_tick: float = 0.0  # when the next decision is due (the autoscaler's clock)
-    written_at: float = float("-inf")  # when status.autoscaling was last written
     series: set[Series] = field(default_factory=set)  # the metric series labelled with this service
     windows: dict[str, PoolWindow] = field(default_factory=dict)  # per pool, the metrics of the last window
 
@@ -206,7 +228,7 @@ class AutoscaleState:
     def reset(self) -> None:
         """Forget everything, its metric series included (a scrape must not see stale ones)."""
         self.drop_series()
-        self.history, self.next_tick, self.written_at = None, 0.0, float("-inf")
+        self.history, self.next_tick = None, 0.0
         self.windows.clear()
 
 
@@ -260,7 +282,11 @@ class Autoscaler:
             if replicas is None:
                 replicas = view.declared_replicas[pool]
             stuck = [
-                msg for p in pods if p.pool == pool and not p.is_ready for r, msg in p.problems if r == "Unschedulable"
+                msg
+                for p in pods
+                if p.pool == pool and not p.is_ready
+                for r, msg in p.problems
+                if r in SCHEDULING_REASONS
             ]
             ready = (recorded.get(pool) or {}).get("readyReplicas")
             states[pool] = PoolState(
@@ -292,9 +318,10 @@ class Autoscaler:
         current = self._current(key, view, body)
         decision = decide(config_from_view(view), snaps, current, history, now)
         state.history = decision.history
-        await self._report(key, body, state, decision, current)
+        told = {p: v.get("desiredReplicas") for p, v in (previous.get("pools") or {}).items()}
+        await self._report(key, body, state, decision, current, is_news=decision.desired != told)
         new = autoscaling_status(decision, snaps, previous, now)
-        if _material(new) == _material(written) and now - state.written_at < PERSIST_S:
+        if _material(new) == _material(written):
             return body
         auto_patch: dict[str, Any] = {**{k: None for k in written if k not in new}, **new}
         gone = {p: None for p in written.get("pools") or {} if p not in new["pools"]}
@@ -302,7 +329,6 @@ class Autoscaler:
             auto_patch["pools"] = {**new["pools"], **gone}
         version = (body.get("metadata") or {}).get("resourceVersion")
         updated = await self.client.patch_status(KIND, namespace, name, {"autoscaling": auto_patch}, version)
-        state.written_at = now
         return updated or body
 
     async def _report(
@@ -312,8 +338,10 @@ class Autoscaler:
         state: AutoscaleState,
         decision: Decision,
         current: Mapping[str, PoolState],
+        is_news: bool,
     ) -> None:
-        """The decision's metric series (remembered in `state`, to be dropped with it) and, when it scales, an Event."""
+        """The decision's metric series (remembered in `state`, to be dropped with it) and, when it scales to
+        replicas status did not hold already (`is_news`), an Event."""
         namespace, name = key
 
         def observe(metric: Any, *labels: str) -> Any:
@@ -326,7 +354,7 @@ class Autoscaler:
             observe(CURRENT, namespace, name, pool).set(d.current)
             observe(READY, namespace, name, pool).set(current[pool].num_ready or 0)
         observe(DECISIONS, namespace, name, mode, "scale" if decision.is_scaling else "hold").inc()
-        if decision.is_scaling:
+        if decision.is_scaling and is_news:
             reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
             logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
-            await self.event(body, "Normal", reason, decision.reason[:1000])
+            await self.event(body, "Normal", reason, decision.reason[:1000], DECISION_EVENT_KEY)

@@ -8,10 +8,12 @@ sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
 plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
-Service, ServiceAccount, Role and RoleBinding; per multi-node pool the Secret of its control channel's key
+Service, ServiceAccount, Role and RoleBinding, and its PodDisruptionBudget while it has replicas; per
+multi-node pool the Secret of its control channel's key
 (control_key.py: created once by the plan, never applied); the model-cache claim when
-`modelCache.persistentVolumeClaim.size` asks for one; a ServiceMonitor when the CRD exists; an
-InferencePool when its CRD exists and `spec.inferencePool` names an Endpoint Picker (inference_pool.py).
+`modelCache.persistentVolumeClaim.size` asks for one (created if absent, never owned: claims.py); a
+ServiceMonitor when the CRD exists; an InferencePool when its CRD exists and `spec.inferencePool` names an
+Endpoint Picker (inference_pool.py).
 `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
 """
 
@@ -35,7 +37,7 @@ from .common import (
     spec_hash,
 )
 from .control_key import control_key_secret
-from .engine import Topology, pool_workloads, topology
+from .engine import Topology, pool_workloads, topology, with_workload_kind
 from .inference_pool import inference_pool
 from .layout import ChildKey, Desired, PoolLayout
 from .network import (
@@ -45,6 +47,7 @@ from .network import (
     pool_service,
     pool_url,
     router_deployment,
+    router_pdb,
     router_rbac,
     router_service,
     router_url,
@@ -143,17 +146,20 @@ def desired_state(
     features: ClusterFeatures | None = None,
     replicas_by_pool: Mapping[str, int] | None = None,
     owner: Mapping[str, Any] | None = None,
+    kinds: Mapping[str, str] | None = None,
 ) -> Desired:
     """Every child manifest of one InferenceService, in apply order, with the pools' layouts. Raises
-    SpecError for a spec no cluster can run (e.g. more tensor ranks than a node has GPUs)."""
+    SpecError for a spec no cluster can run (e.g. more tensor ranks than a node has GPUs). `kinds`: the
+    multi-node workload kind each existing pool runs as, which it keeps (sticky; new pools get the cluster's)."""
     features = features or ClusterFeatures()
     replicas = desired_replicas(view, replicas_by_pool)
     children: list[dict[str, Any]] = []
     layouts = []
     for pool_name in view.pool_names:
         pool = view.pools[pool_name]
-        topo = topology(view, features)
-        workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, features)
+        pool_features = with_workload_kind(features, (kinds or {}).get(pool_name))
+        topo = topology(view, pool_features)
+        workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, pool_features)
         layouts.append(pool_layout(pool, replicas[pool_name], topo, workloads))
         children += workloads
         children.append(pool_service(name, namespace, pool_name, topo))
@@ -161,7 +167,7 @@ def desired_state(
             children.append(headless_service(name, namespace, pool_name))
         if topo.nnodes > 1:
             children.append(control_key_secret(name, namespace, pool_name))
-        children.append(pool_pdb(name, namespace, pool_name))
+        children.append(pool_pdb(name, namespace, pool_name, view))
     claim = cache_claim(name, namespace, view)
     if claim:
         children.append(claim)
@@ -169,6 +175,8 @@ def desired_state(
     router = router_deployment(name, namespace, view, features)
     children.append(router)
     children.append(router_service(name, namespace))
+    if pdb := router_pdb(name, namespace, view.router.replicas):
+        children.append(pdb)
     if features.has_service_monitor:
         children.append(service_monitor(name, namespace))
     gateway_pool = inference_pool(name, namespace, view, features)
@@ -176,10 +184,8 @@ def desired_state(
         children.append(gateway_pool)
     if owner:
         for child in children:
-            ref = dict(owner)
-            if child["kind"] == "PersistentVolumeClaim":
-                ref["controller"] = False  # a shared cache may be owned by several InferenceServices
-            child["metadata"]["ownerReferences"] = [ref]
+            if child["kind"] != "PersistentVolumeClaim":  # a cache claim is never owned (claims.py): GC never takes it
+                child["metadata"]["ownerReferences"] = [dict(owner)]
     children.sort(key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
     url = router_url(name, namespace) if view.router.replicas else pool_url(name, namespace, view.pool_names[-1])
     selector = pod_selector(name, view)

@@ -3,7 +3,8 @@
 A replica is one pod per pipeline stage with `tensor` GPUs each. pipeline = 1 -> a Deployment.
 pipeline = N > 1 (multi-node) -> a LeaderWorkerSet of group size N when the LWS CRD exists, else one
 StatefulSet of N pods per replica ("group"), ranks from the pod-index label, all behind one headless
-Service so ranks find rank 0 (`--master-addr`).
+Service so ranks find rank 0 (`--master-addr`). An existing pool keeps the kind it runs as when LWS comes
+or goes (`with_workload_kind`: sticky, no make-before-break replacement for nothing).
 
 Multi-node groups: every rank runs the same template and the same probes. Rank 0 serves the API;
 ranks > 0 serve only `/health` and `/ready` on the same port (engine/distributed/health.py), so a
@@ -26,6 +27,7 @@ the adapter list, which the operator applies to running pods instead (operator/l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.spec import serve_flag_fields
 from tidepool.operator.api.view import PoolView, ServiceView, SpecError
 
+from .auth import api_key_args, with_api_key
 from .common import (
     ENGINE_PORT,
     KV_PORT,
@@ -92,6 +95,16 @@ def topology(view: ServiceView, features: ClusterFeatures) -> Topology:
     if pipeline == 1:
         return Topology(tensor, 1, tensor, "Deployment")
     return Topology(tensor * pipeline, pipeline, tensor, multi_node)
+
+
+def with_workload_kind(features: ClusterFeatures, kind: str | None) -> ClusterFeatures:
+    """`features` for a pool that already runs as `kind` (sticky: an existing multi-node pool keeps StatefulSet
+    groups when LWS is installed later, and LeaderWorkerSet while LWS stays); None: a new pool, the cluster's choice."""
+    if kind == "StatefulSet":
+        return dataclasses.replace(features, has_lws=False)
+    if kind == "LeaderWorkerSet":
+        return dataclasses.replace(features, has_lws=True)
+    return features
 
 
 def startup_budget_s(topo: Topology) -> int:
@@ -254,7 +267,7 @@ def engine_container(
         "name": "engine",
         "image": engine_image(view, features),
         "command": ["tidepool", "serve"],
-        "args": args + list(view.engine.extra_args),
+        "args": args + api_key_args(view) + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
         "resources": container_resources(_resources(pool, topo), pool_pod(view, pool.name).resources),
@@ -293,7 +306,7 @@ def pod_template(
     overrides (spec.pod with pools.<pool>.pod merged over it) land here, around the operator's own settings."""
     pod = pool_pod(view, pool.name)
     sources = model_sources(view, features)
-    mounts, volumes = with_control_key(name, pool.name, topo.nnodes, *_storage(view, sources[0]))
+    mounts, volumes = with_api_key(view, *with_control_key(name, pool.name, topo.nnodes, *_storage(view, sources[0])))
     container = engine_container(view, pool, topo, name, namespace, features, sources, mounts)
     annotations = {
         "prometheus.io/scrape": "true",

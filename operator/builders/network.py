@@ -1,21 +1,31 @@
-"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices),
-PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
+"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices, PodDisruptionBudget),
+the pools' PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
+
+Router availability: `router.replicas` (default 2) spread across nodes and zones (topologySpreadConstraints,
+ScheduleAnyway: a one-node cluster still runs them all), rolled with maxUnavailable 0 (a new router is Ready
+before an old one stops), and a PodDisruptionBudget keeping one up through drains: minAvailable 1 from two
+replicas, maxUnavailable 1 below (a single router never blocks a drain). A pool's PDB is its
+`disruptionBudget`, or maxUnavailable 1 when unset.
 
 Invariants: pure; a pool Service selects only pods that serve HTTP (rank 0 of a multi-node replica);
 the router discovers engines through the pool Services' EndpointSlices, so its Role grants exactly
-get/list/watch on endpointslices in its own namespace.
+get/list/watch on endpointslices in its own namespace; with spec.auth the router mounts the API-key Secret
+and gets --api-key-file, as the engines do (auth.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tidepool.operator.api.availability import DEFAULT_POOL_BUDGET
 from tidepool.operator.api.pod import ROUTER_RESOURCES
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.view import ServiceView
 
+from .auth import api_key_args, with_api_key
 from .common import (
     ENGINE_PORT,
+    GROUP,
     KV_PORT,
     MASTER_PORT,
     POD_INDEX_LABEL,
@@ -75,17 +85,60 @@ def headless_service(name: str, namespace: str, pool: str) -> dict[str, Any]:
     }
 
 
-def pool_pdb(name: str, namespace: str, pool: str) -> dict[str, Any]:
+def pool_pdb(name: str, namespace: str, pool: str, view: ServiceView) -> dict[str, Any]:
+    """The pool's PodDisruptionBudget: pools.<pool>.disruptionBudget, or maxUnavailable 1 when unset."""
+    budget = view.spec.pool(pool).disruption_budget
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(child_name(name, pool), namespace, labels(name, pool, "engine")),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, pool)}},
+        "spec": {
+            **(budget.to_pdb_spec() if budget else DEFAULT_POOL_BUDGET),
+            "selector": {"matchLabels": selector_labels(name, pool)},
+        },
     }
 
 
+def router_pdb(name: str, namespace: str, replicas: int) -> dict[str, Any] | None:
+    """One router stays up through voluntary disruptions once there are two; a lone router may be evicted
+    (minAvailable 1 would block every drain of its node). None without router pods."""
+    if replicas < 1:
+        return None
+    budget: dict[str, int] = {"minAvailable": 1} if replicas >= 2 else {"maxUnavailable": 1}
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
+        "spec": {**budget, "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)}},
+    }
+
+
+def router_spread(name: str) -> list[dict[str, Any]]:
+    """Routers spread over nodes, then zones; ScheduleAnyway: a preference, never a reason to stay Pending.
+    matchLabelKeys counts only the pods of the same ReplicaSet, so a rollout's surge does not skew it."""
+    selector = {"matchLabels": selector_labels(name, ROUTER_POOL)}
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": selector,
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+    ]
+
+
+# On a cache claim the operator created (claims.py reads them): which InferenceService created it
+# ("<namespace>/<name>"), and what becomes of it once that service is deleted (spec reclaimPolicy).
+ANNOTATION_CREATED_BY = f"{GROUP}/created-by"
+ANNOTATION_RECLAIM_POLICY = f"{GROUP}/reclaim-policy"
+
+
 def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] | None:
-    """The shared model-cache claim, when the spec asks the operator to create it (its size is set)."""
+    """The model-cache claim, when the spec asks the operator to create it (its size is set): created only if no
+    claim of that name exists, never owned by the service (claims.py); its annotations say who created it and
+    its reclaim policy."""
     cache = view.model_cache.persistent_volume_claim if view.model_cache else None
     if cache is None or cache.size is None:
         return None
@@ -96,10 +149,11 @@ def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] 
     }
     if cache.storage_class_name:
         spec["storageClassName"] = cache.storage_class_name
+    annotations = {ANNOTATION_CREATED_BY: f"{namespace}/{name}", ANNOTATION_RECLAIM_POLICY: cache.reclaim_policy}
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": metadata(cache.claim_name, namespace, labels(name, "cache", "cache")),
+        "metadata": metadata(cache.claim_name, namespace, labels(name, "cache", "cache"), annotations),
         "spec": spec,
     }
 
@@ -137,18 +191,19 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     for pool in view.pool_names:
         flags[f"--{pool}-service"] = child_name(name, pool)
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
+    mounts, volumes = with_api_key(view, [{"name": "tmp", "mountPath": "/tmp"}], [{"name": "tmp", "emptyDir": {}}])
     container = {
         "name": "router",
         "image": features.router_image or engine_image(view, features),
         "command": ["tidepool", "router"],
-        "args": flags_to_args(flags),
+        "args": flags_to_args(flags) + api_key_args(view),
         "env": sorted_env({"HOME": "/tmp"}),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": container_resources(ROUTER_RESOURCES, view.router.resources),
         "livenessProbe": probe,
-        "readinessProbe": {**probe, "httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        "readinessProbe": {**probe, "httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
         "securityContext": container_security_context(),
-        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "volumeMounts": mounts,
     }
     spec: dict[str, Any] = {
         "serviceAccountName": child_name(name, ROUTER_POOL),
@@ -156,7 +211,8 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         # The router proxies streams from engines that drain for up to engine.drainTimeoutSeconds.
         "terminationGracePeriodSeconds": termination_grace_s(view),
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}],
+        "volumes": volumes,
+        "topologySpreadConstraints": router_spread(name),
     }
     # What of spec.pod reaches the router is documented in api/pod.py; router.* adds the router's own.
     if view.pod.priority_class_name:
@@ -178,6 +234,8 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         "spec": {
             "replicas": view.router.replicas,
             "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)},
+            # A new router is Ready before an old one stops: the Service never loses its last endpoint.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 3,
             "template": template,
         },

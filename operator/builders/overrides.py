@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tidepool.operator.api.pod import ContainerResources, PodOverrides
+from tidepool.operator.api.pod import ContainerResources, PodOverrides, PoolPodOverrides
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.scheduling import Affinity
 from tidepool.operator.api.view import ServiceView
@@ -76,12 +76,13 @@ def _merge_affinity(base: Affinity | None, over: Affinity) -> Affinity:
     return base.model_copy(update={n: getattr(over, n) for n in Affinity.model_fields if getattr(over, n)})
 
 
-def merge_pod(base: PodOverrides, over: PodOverrides | None) -> PodOverrides:
-    """`over` merged over `base` (see the module docstring); neither is changed."""
+def merge_pod(base: PodOverrides, over: PoolPodOverrides | None) -> PodOverrides:
+    """`over` (a pool's overrides, or any PodOverrides) merged over `base` (see the module docstring); neither is
+    changed. A field `over` has not (a pool declares no volumes) keeps `base`'s value."""
     if over is None:
         return base
     update: dict[str, Any] = {}
-    for name in PodOverrides.model_fields:
+    for name in type(over).model_fields:
         mine, theirs = getattr(base, name), getattr(over, name)
         if theirs is None or theirs == [] or theirs == {}:
             continue

@@ -10,6 +10,9 @@ Endpoints: `GET /v1/models` (adapters are the entries with a `parent`; `root` is
 loaded from), `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`, `POST /v1/unload_lora_adapter
 {"lora_name"}`; replies 200 (plain text) or an OpenAI-style error body whose message becomes the reason.
 
+With spec.auth every call carries `Authorization: Bearer <key>` (the key from the service's Secret,
+operator/api_keys.py; None sends no header); a refused key is a `Reply` with status 401 (a listing: None).
+
 Invariants: never raises for a replica's failure (an unreachable replica lists None; a refused load is a
 `Reply` with its status and message); the load timeout covers an engine fetching the adapter itself.
 """
@@ -43,9 +46,9 @@ class Reply:
 
 
 class ReplicaApi(Protocol):
-    async def adapters(self, namespace: str, pod: PodInfo) -> dict[str, str] | None: ...
-    async def load(self, namespace: str, pod: PodInfo, name: str, path: str) -> Reply: ...
-    async def unload(self, namespace: str, pod: PodInfo, name: str) -> Reply: ...
+    async def adapters(self, namespace: str, pod: PodInfo, api_key: str | None = None) -> dict[str, str] | None: ...
+    async def load(self, namespace: str, pod: PodInfo, name: str, path: str, api_key: str | None = None) -> Reply: ...
+    async def unload(self, namespace: str, pod: PodInfo, name: str, api_key: str | None = None) -> Reply: ...
 
 
 Resolver = Callable[[str, PodInfo], str | None]
@@ -68,6 +71,11 @@ def resolver_from_env() -> Resolver:
     return template_resolver(template) if template else pod_ip_url
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The request headers that authenticate to a pod of a service with spec.auth (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _error_message(response: httpx.Response) -> str:
     """The OpenAI-style error's message, or the body's text."""
     try:
@@ -87,33 +95,38 @@ class HttpReplicaApi:
         self.http = http
         self.resolve = resolve or resolver_from_env()
 
-    async def adapters(self, namespace: str, pod: PodInfo) -> dict[str, str] | None:
+    async def adapters(self, namespace: str, pod: PodInfo, api_key: str | None = None) -> dict[str, str] | None:
         base = self.resolve(namespace, pod)
         if base is None:
             return None
         try:
-            response = await self.http.get(f"{base}/v1/models", timeout=LIST_TIMEOUT_S)
+            response = await self.http.get(f"{base}/v1/models", headers=auth_headers(api_key), timeout=LIST_TIMEOUT_S)
             response.raise_for_status()
             entries = response.json().get("data") or []
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
         return {str(e["id"]): str(e.get("root") or "") for e in entries if isinstance(e, dict) and e.get("parent")}
 
-    async def _post(self, base: str | None, path: str, body: dict[str, str], timeout: float) -> Reply:
+    async def _post(
+        self, base: str | None, path: str, body: dict[str, str], timeout: float, api_key: str | None
+    ) -> Reply:
         if base is None:
             return Reply(0, "the pod has no address yet")
         try:
-            response = await self.http.post(f"{base}{path}", json=body, timeout=timeout)
+            response = await self.http.post(f"{base}{path}", json=body, headers=auth_headers(api_key), timeout=timeout)
         except httpx.HTTPError as exc:
             return Reply(0, f"{type(exc).__name__}: {exc}"[:2000])
         if response.is_success:
             return Reply(response.status_code, response.text.strip()[:2000])
         return Reply(response.status_code, _error_message(response))
 
-    async def load(self, namespace: str, pod: PodInfo, name: str, path: str) -> Reply:
+    async def load(self, namespace: str, pod: PodInfo, name: str, path: str, api_key: str | None = None) -> Reply:
         body = {"lora_name": name, "lora_path": path}
-        return await self._post(self.resolve(namespace, pod), "/v1/load_lora_adapter", body, LOAD_TIMEOUT_S)
+        base = self.resolve(namespace, pod)
+        return await self._post(base, "/v1/load_lora_adapter", body, LOAD_TIMEOUT_S, api_key)
 
-    async def unload(self, namespace: str, pod: PodInfo, name: str) -> Reply:
+    async def unload(self, namespace: str, pod: PodInfo, name: str, api_key: str | None = None) -> Reply:
         body = {"lora_name": name}
-        return await self._post(self.resolve(namespace, pod), "/v1/unload_lora_adapter", body, UNLOAD_TIMEOUT_S)
+        return await self._post(
+            self.resolve(namespace, pod), "/v1/unload_lora_adapter", body, UNLOAD_TIMEOUT_S, api_key
+        )

@@ -60,6 +60,12 @@ class LoraState:
     attempts: dict[str, dict[str, Attempt]] = field(default_factory=dict)
     tasks: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     listings: dict[str, Listing] = field(default_factory=dict)
+    is_key_refused: bool = False  # with spec.auth: a replica answered 401 or could not list (the key rotated?)
+
+    def take_key_refused(self) -> bool:
+        """Whether the key may have been refused since the last call (the sync then reads the Secret again)."""
+        refused, self.is_key_refused = self.is_key_refused, False
+        return refused
 
     def cancel(self) -> None:
         for task in self.tasks.values():
@@ -94,7 +100,10 @@ class LoraSync:
         self.api, self.client, self.requeue, self.clock = api, client, requeue, clock
         self.retry_s, self.relist_s = retry_s, relist_s
 
-    async def step(self, key: Key, view: ServiceView, pods: Sequence[PodInfo], state: LoraState) -> LoraOutcome:
+    async def step(
+        self, key: Key, view: ServiceView, pods: Sequence[PodInfo], state: LoraState, api_key: str | None = None
+    ) -> LoraOutcome:
+        """One LoRA step; `api_key` (spec.auth's, api_keys.py) is sent as `Authorization: Bearer` on every call."""
         if view.lora is None:
             state.reset()
             return LoraOutcome(None, [], None)
@@ -102,14 +111,16 @@ class LoraSync:
         serving = [p for p in pods if p.pool in view.pool_names and p.is_serving and not p.is_terminating]
         replicas = [p for p in serving if p.rank == 0]
         self._forget_gone(state, {p.name for p in serving})
-        listed = await asyncio.gather(*(self._listing(key, p, declared, state) for p in replicas))
+        listed = await asyncio.gather(*(self._listing(key, p, declared, state, api_key) for p in replicas))
         now = self.clock()
         views = []
         for pod, listing in zip(replicas, listed, strict=True):
             attempts = state.attempts.setdefault(pod.name, {})
             held = listing.held
+            if held is None and api_key is not None:
+                state.is_key_refused = True
             if held is not None:
-                await self._converge(key, pod, declared, listing, attempts, state, now)
+                await self._converge(key, pod, declared, listing, attempts, state, now, api_key)
                 if pod.lora_gate is False and is_settled(declared, held, attempts):
                     await self._set_gate(key[0], pod, True, f"tried all {len(declared)} declared adapters")
             views.append(ReplicaView(pod.name, pod.pool, held, dict(attempts)))
@@ -132,13 +143,15 @@ class LoraSync:
         for task_key in [k for k in state.tasks if k[0] not in names]:
             state.tasks.pop(task_key).cancel()
 
-    async def _listing(self, key: Key, pod: PodInfo, declared: Mapping[str, str], state: LoraState) -> Listing:
+    async def _listing(
+        self, key: Key, pod: PodInfo, declared: Mapping[str, str], state: LoraState, api_key: str | None
+    ) -> Listing:
         wanted = tuple(declared.items())
         last = state.listings.get(pod.name)
         if last is not None and last.declared == wanted and self.clock() - last.at < self.relist_s:
             return last
         asked_at = self.clock()
-        listing = Listing(await self.api.adapters(key[0], pod), asked_at, wanted)
+        listing = Listing(await self.api.adapters(key[0], pod, api_key), asked_at, wanted)
         ended = [a for a in state.attempts.get(pod.name, {}).values() if a.state != "Loading" and a.at >= asked_at]
         if not ended:  # a load that ended meanwhile may be missing from it: not kept, asked again next time
             state.listings[pod.name] = listing
@@ -153,11 +166,13 @@ class LoraSync:
         attempts: dict[str, Attempt],
         state: LoraState,
         now: float,
+        api_key: str | None,
     ) -> None:
         held = listing.held or {}
         plan = plan_replica(declared, held, attempts, now, self.retry_s, listing.at)
         for name in plan.unloads:
-            reply = await self.api.unload(key[0], pod, name)
+            reply = await self.api.unload(key[0], pod, name, api_key)
+            state.is_key_refused |= reply.status == 401
             if reply.ok or reply.status == 404:  # 404: already gone
                 held.pop(name, None)
                 attempts.pop(name, None)
@@ -168,14 +183,15 @@ class LoraSync:
             if name in held:  # unloading the stale copy failed: try again at the next sync
                 continue
             attempts[name] = Attempt(path, "Loading", "", now)
-            task = asyncio.create_task(self._load(key, pod, name, path, state))
+            task = asyncio.create_task(self._load(key, pod, name, path, state, api_key))
             state.tasks[(pod.name, name)] = task
 
-    async def _load(self, key: Key, pod: PodInfo, name: str, path: str, state: LoraState) -> None:
+    async def _load(self, key: Key, pod: PodInfo, name: str, path: str, state: LoraState, api_key: str | None) -> None:
         try:
-            reply = await self.api.load(key[0], pod, name, path)
+            reply = await self.api.load(key[0], pod, name, path, api_key)
         finally:
             state.tasks.pop((pod.name, name), None)
+        state.is_key_refused |= reply.status == 401
         attempts = state.attempts.get(pod.name)
         if attempts is None:  # the pod went away meanwhile
             return

@@ -204,7 +204,7 @@ def run_ticks(
     events: list[tuple[str, str]] = []
     now = [start]
 
-    async def event(obj: Any, type_: str, reason: str, message: str) -> None:
+    async def event(obj: Any, type_: str, reason: str, message: str, key: str | None = None) -> None:
         events.append((reason, message))
 
     auto = handlers.Autoscaler(
@@ -238,8 +238,13 @@ def test_active_mode_records_the_replicas_for_the_reconcile():
 
 
 def test_status_shows_the_forecast_and_learned_capacity_behind_the_decision():
-    """After a few ticks of steady traffic the decision carries anticipation's inputs, in status and reason."""
-    body, _, _ = run_ticks(isvc(), kv=0.4, ticks=8)
+    """After a few ticks of steady traffic the decision carries anticipation's inputs, in status and reason (status
+    is written when the decision changes: here when KV usage doubles after the forecast was learned)."""
+    h = Harness(isvc())
+    running = h.autoscaler()
+    assert {h.tick(running, kv=0.4, num_pods=2) for _ in range(8)} == {2}
+    assert h.tick(running, kv=0.9, num_pods=2) == 4
+    body = h.kube.body
     inputs = body["status"]["autoscaling"]["pools"]["unified"]["inputs"]
     # 2 pods x 50 generated tokens per 15 s scrape = 6.67 tokens/s; 2 pods x 500 prompt tokens = 66.7 tokens/s:
     # the prefill channel (the larger demand per replica at its capacity) or the decode one binds.
@@ -271,11 +276,20 @@ def test_unschedulable_pods_hold_and_set_limited():
     assert limited is not None and "Insufficient nvidia.com/gpu" in limited[1]
 
 
-def test_status_is_written_on_change_and_otherwise_at_most_every_persist_period():
+def test_status_is_written_on_change_only():
+    """A decision that does not change writes nothing, however long it holds (no periodic refresh)."""
     _, kube, _ = run_ticks(isvc(), kv=0.5, ticks=3)  # at target: the same decision three times, 15 s apart
     assert len(kube.patches) == 1
-    _, kube, _ = run_ticks(isvc(), kv=0.5, ticks=3, step=handlers.PERSIST_S)
-    assert len(kube.patches) == 3
+    _, kube, _ = run_ticks(isvc(), kv=0.5, ticks=40, step=60.0)  # 40 minutes of the same decision
+    assert len(kube.patches) == 1
+
+
+def test_advisory_scale_is_told_once_while_the_recommendation_holds():
+    body, kube, events = run_ticks(isvc("advisory"), kv=0.9, ticks=20)
+    assert [e[0] for e in events] == ["AdvisoryScale"] and len(kube.patches) == 1
+    body, _, events = run_ticks(body, kv=1.5, ticks=3)  # more load: a different recommendation, told again
+    assert [e[0] for e in events] == ["AdvisoryScale"]
+    assert body["status"]["autoscaling"]["pools"]["unified"]["desiredReplicas"] == 6
 
 
 Running = tuple[handlers.Autoscaler, handlers.AutoscaleState]  # an operator's autoscaler and its memory of `svc`
@@ -337,13 +351,18 @@ def test_a_restarted_autoscaler_resumes_from_status_without_scaling_down():
 
 
 def test_restored_times_are_never_earlier_than_the_truth():
-    auto = {"recommendations": [{"time": "2026-01-01T00:00:00Z", "replicas": {"unified": 3}}],
-            "lastActiveTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    """The newest recommendation, and activity seen by the tick that wrote, still hold when restored: they are
+    as of now. Older recommendations, and activity that had stopped when status was written, keep their times."""
     t0 = 1767225600.0  # 2026-01-01T00:00:00Z
-    history = handlers.restore_history(auto, now=t0 + 1000)
-    assert history.recommendations == ((t0 + handlers.PERSIST_S, {"unified": 3}),)
-    assert history.last_active_time == t0 + handlers.PERSIST_S
-    assert handlers.restore_history(auto, now=t0 + 10).last_active_time == t0 + 10  # never in the future
+    recs = [{"time": "2026-01-01T00:00:00Z", "replicas": {"unified": 5}},
+            {"time": "2026-01-01T00:01:00Z", "replicas": {"unified": 3}}]  # fmt: skip
+    active = {"recommendations": recs, "lastActiveTime": "2026-01-01T00:01:00Z"}
+    history = handlers.restore_history(active, now=t0 + 1000)
+    assert history.recommendations == ((t0, {"unified": 5}), (t0 + 1000, {"unified": 3}))
+    assert history.last_active_time == t0 + 1000
+    idle = {"recommendations": recs, "lastActiveTime": "2026-01-01T00:00:30Z"}
+    assert handlers.restore_history(idle, now=t0 + 1000).last_active_time == t0 + 30
+    assert handlers.restore_history(idle, now=t0 + 10).last_active_time == t0 + 10  # never in the future
 
 
 def test_prometheus_federate_source_splits_series_by_pod_label():

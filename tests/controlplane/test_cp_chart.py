@@ -128,10 +128,11 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("list", "endpointslices.discovery.k8s.io", other),
             ("create", "events", other),
             ("create", "secrets", other),  # a multi-node pool's control key, created once
+            ("get", "secrets", other),  # spec.auth's Secret, read by name
         ]
         denied: list[tuple[str, str, str | None]] = [
-            ("get", "secrets", other),
             ("list", "secrets", other),
+            ("watch", "secrets", other),
             ("update", "secrets", other),
             ("list", "nodes", None),
             ("list", "customresourcedefinitions.apiextensions.k8s.io", None),

@@ -189,11 +189,8 @@ def _refusal(cluster, namespace: str, body: dict[str, Any]) -> str:
             {"volumes": [{"name": "host", "hostPath": {"path": "/var/lib/kubelet"}}]},
             "pod.volumes: hostPath volumes are refused (Pod Security 'restricted' forbids them)",
         ),
-        (
-            "pools.unified.pod",
-            {"volumes": [{"name": "host", "hostPath": {"path": "/", "type": "Directory"}}]},
-            "hostPath volumes are refused",
-        ),
+        # A pool declares no volumes (spec.pod's are the service's); its own overrides are held to the same rules.
+        ("pools.unified.pod", {"hostNetwork": True}, "pod.hostNetwork, hostPID and hostIPC are refused"),
         ("spec.pod", {"env": [{"name": "TIDEPOOL_MASTER_ADDR", "value": "evil"}]}, "pod.env must not set a variable"),
         ("pools.unified.pod", {"env": [{"name": "HOME", "value": "/root"}]}, "the operator sets itself (HOME, HF_HOME"),
         ("spec.pod", {"hostNetwork": True}, "pod.hostNetwork, hostPID and hostIPC are refused"),

@@ -122,6 +122,16 @@ class FakeApi:
         self.calls["create"] += 1
         if obj["kind"] == "Event":
             self.events.append(obj)
+        if obj["kind"] == "PersistentVolumeClaim":  # kept as the API server does: a second create is 409
+            key = (obj["kind"], obj["metadata"]["name"])
+            if key in self.objects:
+                raise ApiError(409, f"persistentvolumeclaims {key[1]!r} already exists", "AlreadyExists")
+            stored = copy.deepcopy(obj)
+            stored["metadata"]["uid"] = f"uid-{key[0]}-{key[1]}"
+            self._bump(stored)
+            self.objects[key] = stored
+            self._echo(stored)
+            return copy.deepcopy(stored)
         return obj
 
     async def has_kind(self, group_version: str, kind: str) -> bool:

@@ -99,7 +99,12 @@ def test_wire_names_are_exactly_the_issues() -> None:
         "topologySpreadConstraints",
     }  # lists and maps default to empty; unset scalars and objects are left out
     assert wire["modelCache"] == {
-        "persistentVolumeClaim": {"claimName": "c", "size": "10Gi", "storageClassName": "fast"}
+        "persistentVolumeClaim": {
+            "claimName": "c",
+            "size": "10Gi",
+            "storageClassName": "fast",
+            "reclaimPolicy": "Retain",  # defaulted: the wire carries it like the API server's defaulting
+        }
     }
     assert wire["resources"] == {"gpusPerReplica": 2, "gpuProduct": "H100", "cpu": "8", "memory": "64Gi"}
 
@@ -186,7 +191,7 @@ def test_set_condition_moves_transition_time_only_on_status_change() -> None:
     assert [c.type for c in status.conditions] == ["Ready", "Progressing", "Degraded"]
     with pytest.raises(ValueError, match="unknown condition type"):
         status.set_condition("Happy", "True", "Yes", "")
-    assert set(CONDITION_TYPES) == {"Ready", "Progressing", "Degraded", "ScalingLimited"}
+    assert set(CONDITION_TYPES) == {"Ready", "Progressing", "Degraded", "ScalingLimited", "Reconciling", "Stalled"}
     patch = status_patch(status)
     assert patch["conditions"][0] == {
         "type": "Ready",

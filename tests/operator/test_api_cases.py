@@ -57,6 +57,13 @@ INVALID_CASES: tuple[Case, ...] = (
         rule_message("resources.gpusPerReplica must equal"),
         "rule",
     ),
+    Case(  # the engine splits only unquantized layers across tensor ranks (the sample runs tensor: 2)
+        "tp-quantized",
+        set_path("spec.model.quantization", "int8"),
+        rule_message("parallelism.tensor > 1 needs model.quantization none"),
+        "rule",
+        base="disaggregated",
+    ),
     Case(
         "uri-scheme", set_path("spec.model.uri", "http://example.com/model"), rule_message("model.uri must be"), "rule"
     ),
@@ -142,6 +149,37 @@ INVALID_CASES: tuple[Case, ...] = (
         "rule",
     ),
     Case(
+        "pdb-both-bounds",
+        set_path("spec.pools.unified.disruptionBudget", {"maxUnavailable": 1, "minAvailable": "50%"}),
+        rule_message("disruptionBudget must set exactly one"),
+        "rule",
+    ),
+    Case(
+        "pdb-no-bound",
+        set_path("spec.pools.unified.disruptionBudget", {}),
+        rule_message("disruptionBudget must set exactly one"),
+        "rule",
+    ),
+    Case(
+        "pdb-not-percent",
+        set_path("spec.pools.unified.disruptionBudget", {"minAvailable": "half"}),
+        types.INT_OR_PERCENT_MESSAGE,
+        "field",
+    ),
+    Case("auth-no-secret", set_path("spec.auth", {}), "apiKeySecret", "field"),
+    Case(
+        "auth-dot-key",
+        set_path("spec.auth", {"apiKeySecret": {"name": "keys", "key": ".."}}),
+        rule_message("auth.apiKeySecret.key must not be"),
+        "rule",
+    ),
+    Case(
+        "auth-bad-key",
+        set_path("spec.auth", {"apiKeySecret": {"name": "keys", "key": "a key"}}),
+        "should match",
+        "field",
+    ),
+    Case(
         "toleration-exists-value",
         set_path("spec.pod.tolerations", [{"key": "gpu", "operator": "Exists", "value": "yes"}]),
         rule_message("a toleration with operator Exists"),
@@ -158,6 +196,18 @@ INVALID_CASES: tuple[Case, ...] = (
         set_path("spec.modelCache", {"persistentVolumeClaim": {"claimName": "w", "accessModes": ["ReadWriteOnce"]}}),
         rule_message("modelCache.persistentVolumeClaim.accessModes needs"),
         "rule",
+    ),
+    Case(
+        "reclaim-delete-without-size",
+        set_path("spec.modelCache", {"persistentVolumeClaim": {"claimName": "w", "reclaimPolicy": "Delete"}}),
+        rule_message("modelCache.persistentVolumeClaim.reclaimPolicy Delete needs size"),
+        "rule",
+    ),
+    Case(
+        "reclaim-policy-unknown",
+        set_path("spec.modelCache.persistentVolumeClaim.reclaimPolicy", "Recycle"),
+        'supported values: "Retain", "Delete"',
+        "field",
     ),
     Case(
         "cache-two-kinds",
@@ -256,9 +306,9 @@ INVALID_CASES: tuple[Case, ...] = (
         rule_message("pod.envFrom entries need exactly one"),
         "rule",
     ),
-    Case(
-        "pool-hostpath-volume",
-        set_path("spec.pools.unified.pod", {"volumes": [{"name": "data", "hostPath": {"path": "/data"}}]}),
+    Case(  # a pool declares no volumes of its own (pod.PoolPodOverrides): spec.pod's are the only ones
+        "hostpath-volume",
+        set_path("spec.pod.volumes", [{"name": "data", "hostPath": {"path": "/data"}}]),
         rule_message("pod.volumes: hostPath volumes are refused"),
         "rule",
     ),
@@ -314,7 +364,19 @@ INVALID_CASES: tuple[Case, ...] = (
     Case(
         "duplicate-volume",
         set_path("spec.pod.volumes", [{"name": "d", "emptyDir": {}}, {"name": "d", "secret": {"secretName": "s"}}]),
-        rule_message("pod.volumes names and pod.volumeMounts mountPaths must be unique"),
+        rule_message("pod.volumes names must be unique"),
+        "rule",
+    ),
+    Case(
+        "duplicate-pool-mount",
+        both(
+            set_path("spec.pod.volumes", [{"name": "d", "emptyDir": {}}]),
+            set_path(
+                "spec.pools.unified.pod",
+                {"volumeMounts": [{"name": "d", "mountPath": "/data"}, {"name": "d", "mountPath": "/data"}]},
+            ),
+        ),
+        rule_message("pod.volumeMounts mountPaths must be unique"),
         "rule",
     ),
     Case(

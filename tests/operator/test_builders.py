@@ -70,6 +70,7 @@ COMMON = {
     ("RoleBinding", "svc-router"),
     ("Deployment", "svc-router"),
     ("Service", "svc-router"),
+    ("PodDisruptionBudget", "svc-router"),
 }
 
 CASES = [

@@ -145,9 +145,9 @@ def test_rbac_is_least_privilege(helm: str) -> None:
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     granted.setdefault((group, resource), set()).update(rule["verbs"])
-    # Nothing cluster-scoped: kopf runs with scanning disabled (no CRD/namespace watch). Secrets: created only
-    # (a multi-node pool's control key), never read back.
-    assert granted[("", "secrets")] == {"create"}
+    # Nothing cluster-scoped: kopf runs with scanning disabled (no CRD/namespace watch). Secrets: created (a
+    # multi-node pool's control key) and read by name (spec.auth's Secret), never listed or watched.
+    assert granted[("", "secrets")] == {"create", "get"}
     for forbidden in (
         "configmaps",  # no child is a ConfigMap
         "nodes",
@@ -167,7 +167,7 @@ def test_rbac_is_least_privilege(helm: str) -> None:
     for child in (("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")):
         assert {"list", "watch"} <= granted[child], child  # the informer caches
     assert "get" not in granted[("apps", "deployments")]  # never read one by one
-    assert "create" in granted[("", "events")]
+    assert granted[("", "events")] == {"create", "get", "patch"}  # aggregated Events (operator/events.py)
 
 
 def test_watch_namespaces_binds_the_namespaced_role_only_there(helm: str) -> None:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
 
 from tidepool.operator import crdgen
 from tidepool.operator.api import SPEC_RULES, InferenceServiceSpec, PodOverrides, PoolSpec
+from tidepool.operator.api.pod import PoolPodOverrides
 
 REPO = Path(__file__).resolve().parents[2]
 COPIES = (REPO / "crds" / crdgen.CRD_FILENAME, REPO / "charts" / "tidepool" / "crds" / crdgen.CRD_FILENAME)
@@ -52,15 +54,45 @@ def _version() -> dict[str, Any]:
     return version
 
 
+def _kubernetes_fields(model: type[BaseModel], path: str) -> Iterator[str]:
+    """Schema paths of our fields that hold a Kubernetes core type (below them, Kubernetes documents the fields)."""
+    for name, field in model.model_fields.items():
+        here = f"{path}.{field.alias or name}"
+        for nested in crdgen._nested_models(field.annotation):
+            if crdgen.is_kubernetes_type(nested):
+                yield here
+            else:
+                yield from _kubernetes_fields(nested, here + _container_suffix(field.annotation))
+
+
+def _container_suffix(annotation: Any) -> str:
+    """How `_schemas` names an item of this field: `[]` for a list, `{}` for a map (Optional unwrapped)."""
+    options = [a for a in get_args(annotation) if a is not type(None)] if get_origin(annotation) is not None else []
+    if get_origin(annotation) not in (list, dict) and len(options) == 1:
+        annotation = options[0]
+    origin = get_origin(annotation)
+    return "[]" if origin is list else "{}" if origin is dict else ""
+
+
+def _documented_elsewhere(path: str, kubernetes: set[str]) -> bool:
+    """Below a Kubernetes type, or in a pool's pod (documented once, at spec.pod, whose shape it shares)."""
+    if re.match(r"^\.spec\.pools\.[a-z]+\.pod[.\[{]", path):
+        return True
+    return any(path.startswith(k) and path[len(k)] in ".[{" for k in kubernetes if len(path) > len(k))
+
+
 def test_schema_is_structural_and_bounded_for_cel() -> None:
     root = _version()["schema"]["openAPIV3Schema"]
+    kubernetes = set(_kubernetes_fields(InferenceServiceSpec, ".spec"))
+    assert ".spec.pod.affinity" in kubernetes and ".spec.router.tolerations" in kubernetes
     forbidden = ("$ref", "anyOf", "allOf", "oneOf", "title", "$defs", "const")
     for path, node in _schemas(root):
         assert not set(node) & set(forbidden), f"{path}: {set(node) & set(forbidden)}"
         assert node.get("additionalProperties") is not False, path
         if not path.startswith((".spec", ".status")):
             continue
-        if not path.endswith(("[]", "{}")):  # list items and map values are described by their field
+        # List items and map values are described by their field; Kubernetes' types by Kubernetes.
+        if not path.endswith(("[]", "{}")) and not _documented_elsewhere(path, kubernetes):
             assert node.get("description"), f"{path} has no description"
         assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
         if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(node["exclusiveMinimum"], bool):
@@ -76,9 +108,9 @@ def test_schema_is_structural_and_bounded_for_cel() -> None:
 
 
 def _occurrences(model: type[BaseModel], cls: type[BaseModel]) -> int:
-    """How many places of the schema tree under `model` have the class `cls` (each carries its rules)."""
+    """How many places of the schema tree under `model` have the class `cls` or a subclass (each carries its rules)."""
     nested = [m for field in model.model_fields.values() for m in crdgen._nested_models(field.annotation)]
-    return (model is cls) + sum(_occurrences(m, cls) for m in nested)
+    return issubclass(model, cls) + sum(_occurrences(m, cls) for m in nested)
 
 
 def test_every_rule_is_in_the_crd_once() -> None:
@@ -90,10 +122,12 @@ def test_every_rule_is_in_the_crd_once() -> None:
     ]
     messages = [r["message"] for r in crd_rules]
     for rule in SPEC_RULES:
-        # Once per place the class is used: PoolSpec's once per pool, PodOverrides' in spec.pod and each pool's pod.
+        # Once per place the class (or a subclass) is used: PoolSpec's once per pool, PoolPodOverrides' in spec.pod
+        # (a PodOverrides) and each pool's pod.
         expected = _occurrences(InferenceServiceSpec, rule.where)
         assert expected >= 1 and messages.count(rule.message) == expected, rule.message
-    assert _occurrences(InferenceServiceSpec, PoolSpec) == 3 and _occurrences(InferenceServiceSpec, PodOverrides) == 4
+    assert _occurrences(InferenceServiceSpec, PoolSpec) == 3 and _occurrences(InferenceServiceSpec, PodOverrides) == 1
+    assert _occurrences(InferenceServiceSpec, PoolPodOverrides) == 4
     assert "metadata.name must be at most" in text
 
 

@@ -46,10 +46,10 @@ class FakeReplicas:
     calls: list[tuple[str, str, str]] = field(default_factory=list)
     hold: asyncio.Event | None = None  # when set: loads wait for it
 
-    async def adapters(self, namespace: str, pod: PodInfo) -> dict[str, str] | None:
+    async def adapters(self, namespace: str, pod: PodInfo, api_key: str | None = None) -> dict[str, str] | None:
         return dict(self.held.setdefault(pod.name, {}))
 
-    async def load(self, namespace: str, pod: PodInfo, name: str, path: str) -> Reply:
+    async def load(self, namespace: str, pod: PodInfo, name: str, path: str, api_key: str | None = None) -> Reply:
         self.calls.append(("load", pod.name, name))
         if self.hold is not None:
             await self.hold.wait()
@@ -58,7 +58,7 @@ class FakeReplicas:
         self.held.setdefault(pod.name, {})[name] = path
         return Reply(200, f"Success: LoRA adapter '{name}' added successfully.")
 
-    async def unload(self, namespace: str, pod: PodInfo, name: str) -> Reply:
+    async def unload(self, namespace: str, pod: PodInfo, name: str, api_key: str | None = None) -> Reply:
         self.calls.append(("unload", pod.name, name))
         return Reply(200, "ok") if self.held.get(pod.name, {}).pop(name, None) else Reply(404, "not loaded")
 
@@ -250,7 +250,7 @@ def test_a_list_that_predates_a_finished_load_causes_no_second_load() -> None:
         stale_once = [True]
         listed = replicas.adapters
 
-        async def racing(namespace: str, target: PodInfo) -> dict[str, str] | None:
+        async def racing(namespace: str, target: PodInfo, api_key: str | None = None) -> dict[str, str] | None:
             held = await listed(namespace, target)  # taken while the load is still under way
             if stale_once.pop() if stale_once else False:
                 assert replicas.hold is not None

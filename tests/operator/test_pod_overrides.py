@@ -143,8 +143,13 @@ def test_router_takes_only_what_is_documented() -> None:
     assert pod["tolerations"] == [POD["tolerations"][0], {"key": "edge", "operator": "Exists"}]
     assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["priorityClassName"] == "high"
     assert router["resources"] == {"requests": {"cpu": "1", "memory": "256Mi"}, "limits": {"memory": "2Gi"}}
-    for absent in ("affinity", "topologySpreadConstraints", "runtimeClassName"):
+    for absent in ("affinity", "runtimeClassName"):
         assert absent not in pod
+    # its own spread (across nodes, then zones), never spec.pod's
+    assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == [
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    ]
     assert "envFrom" not in router and [v["name"] for v in pod["volumes"]] == ["tmp"]
     assert [e["name"] for e in router["env"]] == ["HOME"]
     assert pod["securityContext"] == pod_security_context()
@@ -163,20 +168,23 @@ def test_router_defaults_unchanged_without_overrides() -> None:
 def test_pool_pod_merges_over_spec_pod() -> None:
     pool_pod = {
         "env": [{"name": "HTTPS_PROXY", "value": "http://decode-proxy:3128"}, {"name": "ROLE_HINT", "value": "d"}],
-        "volumes": [{"name": "scratch", "emptyDir": {"medium": "Memory"}}],
+        "volumeMounts": [{"name": "fast-scratch", "mountPath": "/fast"}],  # a pool mounts what spec.pod declares
         "nodeSelector": {"pool": "decode-gpu", "extra": "yes"},
         "tolerations": [{"key": "decode", "operator": "Exists"}],
         "priorityClassName": "decode-high",
         "resources": {"limits": {"cpu": "16"}},
         "affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "h"}]}},
     }
-    s = spec(DISAGG, pod=POD, pools__decode__pod=pool_pod)
+    pod = {**POD, "volumes": [*POD["volumes"], {"name": "fast-scratch", "emptyDir": {"medium": "Memory"}}]}
+    s = spec(DISAGG, pod=pod, pools__decode__pod=pool_pod)
     pods = {t["metadata"]["labels"]["tidepool.dev/pool"]: t["spec"] for t in engine_pods(s)}
     prefill, decode = pods["prefill"], pods["decode"]
     env = [(e["name"], e.get("value")) for e in decode["containers"][0]["env"] if e["name"] not in ("HOME", "HF_HOME")]
     # Named lists: the pool's entry replaces the global one in place, new ones append.
     assert env == [("HTTPS_PROXY", "http://decode-proxy:3128"), ("HF_TOKEN", None), ("ROLE_HINT", "d")]
-    assert {v["name"]: v for v in decode["volumes"]}["scratch"]["emptyDir"] == {"medium": "Memory"}
+    assert {v["name"]: v for v in decode["volumes"]}["fast-scratch"]["emptyDir"] == {"medium": "Memory"}
+    assert "/fast" in {m["mountPath"] for m in decode["containers"][0]["volumeMounts"]}
+    assert "/fast" not in {m["mountPath"] for m in prefill["containers"][0]["volumeMounts"]}
     assert decode["nodeSelector"] == {"pool": "decode-gpu", "extra": "yes"}  # maps merge, the pool's key wins
     assert decode["tolerations"][-2:] == [POD["tolerations"][0], {"key": "decode", "operator": "Exists"}]
     assert decode["priorityClassName"] == "decode-high"  # scalars replace
@@ -239,7 +247,7 @@ def test_every_env_volume_and_mount_the_builders_render_is_reserved() -> None:
         ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, "volume name the operator uses"),
         (
             {"volumes": [{"name": "d", "emptyDir": {}}], "volumeMounts": [{"name": "d", "mountPath": "/tmp"}]},
-            "at or under a path the operator mounts (/tmp, /dev/shm, /models, /etc/tidepool/control-key)",
+            "at or under a path the operator mounts (/tmp, /dev/shm, /models, /etc/tidepool/control-key, /etc/",
         ),
         (
             {
@@ -253,12 +261,24 @@ def test_every_env_volume_and_mount_the_builders_render_is_reserved() -> None:
     ],
 )
 def test_refusals_name_the_fix(pod: dict[str, Any], message: str) -> None:
-    for where in ("pod", "pools__unified__pod"):  # the same rules hold for a pool's own override
+    # The same rules hold for a pool's own override; volumes only spec.pod declares (see the next test).
+    for where in ("pod",) if "volumes" in pod else ("pod", "pools__unified__pod"):
         model = InferenceServiceSpec.model_validate(spec(UNIFIED, **{where: pod}))
         problems = validate_spec(model)
         assert any(message in p for p in problems), (where, problems)
         with pytest.raises(SpecError, match=r"refused|must|need|follow"):
             build(model.to_wire())
+
+
+def test_a_pool_declares_no_volumes_of_its_own() -> None:
+    """pools.<name>.pod is spec.pod's shape but volumes (one copy of the volume sources keeps the CRD within what
+    client-side apply can store): the models refuse it as the API server's strict field validation does."""
+    with pytest.raises(ValidationError, match=r"pools\.unified\.pod\.volumes"):
+        InferenceServiceSpec.model_validate(
+            spec(UNIFIED, pools__unified__pod={"volumes": [{"name": "d", "emptyDir": {}}]})
+        )
+    with pytest.raises(SpecError, match=r"must be a volume of spec\.pod\.volumes"):
+        build(spec(UNIFIED, pools__unified__pod={"volumeMounts": [{"name": "d", "mountPath": "/d"}]}))
 
 
 def test_fields_outside_the_schema_are_refused_by_the_models() -> None:

@@ -38,7 +38,7 @@ def test_create_then_ready_then_nothing_to_write():
     assert api.condition("Ready")["status"] == "False" and api.condition("Progressing")["status"] == "True"
 
     pods_ready(api, f"{NAME}-unified", "unified", 2)
-    pods_ready(api, f"{NAME}-router", "router", 1)
+    pods_ready(api, f"{NAME}-router", "router", 2)  # router.replicas defaults to 2
     applies = api.calls["apply"]
     sync(ctrl)
     assert api.calls["apply"] == applies  # the fast path: pods changed, nothing to apply
@@ -62,7 +62,7 @@ def test_ready_needs_the_current_template_and_is_kept_while_the_old_one_serves()
     api, ctrl = with_controller()
     sync(ctrl)
     pods_ready(api, f"{NAME}-unified", "unified", 2, prefix="old")
-    pods_ready(api, f"{NAME}-router", "router", 1)
+    pods_ready(api, f"{NAME}-router", "router", 2)  # router.replicas defaults to 2
     sync(ctrl)
     assert api.condition("Ready")["status"] == "True"
 
@@ -164,7 +164,7 @@ def test_mode_switch_keeps_the_old_pool_until_the_new_pools_serve():
     api, ctrl = with_controller()
     sync(ctrl)
     pods_ready(api, f"{NAME}-unified", "unified", 2)
-    pods_ready(api, f"{NAME}-router", "router", 1)
+    pods_ready(api, f"{NAME}-router", "router", 2)  # router.replicas defaults to 2
     sync(ctrl)
     spec = copy.deepcopy(SPEC)
     spec["mode"] = "disaggregated"
@@ -203,7 +203,10 @@ def test_invalid_spec_reports_once_and_applies_nothing():
     degraded = api.condition("Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
     assert [e["reason"] for e in api.events] == ["InvalidSpec"]
-    assert "observedGeneration" not in api.service()["status"]  # nothing of this generation was applied
+    # Nothing applied, yet generation 1 is observed and Stalled: kstatus reads Failed (not InProgress forever).
+    assert api.service()["status"]["observedGeneration"] == 1
+    assert (api.condition("Stalled")["status"], api.condition("Stalled")["reason"]) == ("True", "InvalidSpec")
+    assert api.condition("Reconciling")["status"] == "False"
 
 
 def test_refused_apply_is_degraded_and_keeps_the_old_generation():
@@ -213,7 +216,8 @@ def test_refused_apply_is_degraded_and_keeps_the_old_generation():
         sync(ctrl)
     degraded = api.condition("Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "ApplyFailed"
-    assert "observedGeneration" not in api.service()["status"]
+    assert api.service()["status"]["observedGeneration"] == 1  # observed, and Stalled says why it cannot serve
+    assert (api.condition("Stalled")["status"], api.condition("Stalled")["reason"]) == ("True", "ApplyFailed")
     assert [e["reason"] for e in api.events][-1] == "ApplyFailed"
 
 
@@ -293,10 +297,6 @@ def _claim(storage: str, status: dict[str, Any] | None = None, **spec: Any) -> d
     return claim
 
 
-def _storage(todo) -> list[str]:
-    return [o["spec"]["resources"]["requests"]["storage"] for o in todo.apply]
-
-
 def _warnings(todo) -> list[str]:
     return [e[2] for e in todo.events if e[:2] == ("Warning", "ClaimKept")]
 
@@ -328,8 +328,9 @@ def test_a_claim_keeps_what_kubernetes_cannot_change_and_says_so():
     assert applied["spec"]["resources"]["requests"]["storage"] == "300Gi"
     assert "accessModes" in _warnings(todo)[0] and "storageClassName fast" in _warnings(todo)[0]
     assert changed["spec"]["accessModes"] == ["ReadWriteOnce"]  # the desired object itself is left as built
-    # A claim that does not exist yet is created as the spec says.
-    assert _storage(plan([_claim("1Ki")], {})) == ["1Ki"]
+    # A claim that does not exist yet is created as the spec says (created, never applied: claims.py).
+    new = plan([_claim("1Ki")], {})
+    assert new.apply == [] and [c["spec"]["resources"]["requests"]["storage"] for c in new.claims] == ["1Ki"]
 
 
 def test_claim_kept_is_told_once_while_it_lasts():
@@ -337,9 +338,17 @@ def test_claim_kept_is_told_once_while_it_lasts():
     spec["modelCache"] = {"persistentVolumeClaim": {"claimName": "weights", "size": "40Gi"}}
     api, ctrl = with_controller(spec)
     sync(ctrl)
+    told: list[str] = []  # what the sync tells; the recorder aggregates it into Event objects (test_events.py)
+    recorder_post = ctrl.services.events.post
+
+    async def post(obj: Any, type_: str, reason: str, message: str, key: str | None = None) -> None:
+        told.append(reason)
+        await recorder_post(obj, type_, reason, message, key)
+
+    ctrl.services.events.post = post  # type: ignore[method-assign]
 
     def kept() -> int:
-        return sum(e["reason"] == "ClaimKept" for e in api.events)
+        return told.count("ClaimKept")
 
     def resize(size: str, generation: int) -> None:
         spec["modelCache"]["persistentVolumeClaim"]["size"] = size
@@ -354,6 +363,7 @@ def test_claim_kept_is_told_once_while_it_lasts():
     resize("40Gi", 3)  # the spec matches the claim again
     resize("10Gi", 4)  # ... and asks to shrink it again: told again
     assert kept() == 2
+    assert sum(e["reason"] == "ClaimKept" for e in api.events) == 1  # one Event object, its count held back
     assert api.objects[("PersistentVolumeClaim", "weights")]["spec"]["resources"]["requests"]["storage"] == "40Gi"
 
 

@@ -69,7 +69,8 @@ def test_counts_are_paced_transitions_are_not_and_the_latest_count_is_written():
         await ctrl.services.sync(KEY)  # the first status: written
         assert api.calls["patch_status"] == 1
         router = f"{NAME}-router"
-        api.add_pod(f"{router}-0", "router", api.hash_of(router))
+        for i in range(2):  # router.replicas defaults to 2
+            api.add_pod(f"{router}-{i}", "router", api.hash_of(router))
         api.add_pod(f"{NAME}-unified-0", "unified", api.hash_of(f"{NAME}-unified"))
         await ctrl.services.sync(KEY)  # Ready goes True: a transition, written at once however recent the last write
         assert api.calls["patch_status"] == 2 and api.condition("Ready")["status"] == "True"

@@ -52,7 +52,7 @@ def test_every_field_omitted_yields_the_documented_defaults_in_the_view() -> Non
     assert (pool.replicas, pool.min_replicas, pool.max_replicas) == (1, 1, 4)
     assert pool.resources == Resources(gpus_per_replica=1, gpu_product=None, cpu=None, memory=None)
     assert (view.parallelism.tensor, view.parallelism.pipeline) == (1, 1)
-    assert (view.router.replicas, view.router.policy) == (1, "prefix-aware")
+    assert (view.router.replicas, view.router.policy) == (2, "prefix-aware")
     assert (view.rollout.max_surge, view.rollout.max_unavailable) == (1, 0)
     assert (view.quantization, view.model.revision, view.engine.image) == (None, None, None)
     assert (view.engine.max_num_seqs, view.engine.drain_timeout_seconds) == (256, 30)
