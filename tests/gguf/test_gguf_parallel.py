@@ -23,5 +23,5 @@ def test_tensor_parallel_gguf_matches_one_process(gguf_model) -> None:
 
 
 def test_kept_quantized_gguf_with_tensor_parallelism_is_refused(gguf_model) -> None:
-    with pytest.raises(Exception, match=r"tensor parallelism needs the plain .*quantized"):
+    with pytest.raises(Exception, match=r"tensor parallelism splits only unquantized layers"):
         LLM(str(gguf_model("llama-gqa", "Q4_1")), tensor_parallel_size=2, quantization="gguf", **ENGINE)
