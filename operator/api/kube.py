@@ -27,6 +27,7 @@ _NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _PREFIX = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
 QUALIFIED_NAME_RE = rf"^({_PREFIX})?{_NAME}$"
 OPTIONAL_QUALIFIED_NAME_RE = rf"^(({_PREFIX})?{_NAME})?$"  # a toleration's key may be empty
+PREFIXED_NAME_RE = rf"^{_PREFIX}{_NAME}$"  # a qualified name whose prefix is required (extended resources)
 QUALIFIED_NAME_MAX = 253 + 1 + 63
 LABEL_VALUE_RE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 CONFIG_KEY_RE = r"^[-._a-zA-Z0-9]+$"

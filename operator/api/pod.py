@@ -4,18 +4,23 @@ Shapes only, like spec.py (the Kubernetes types are in kube.py). What an overrid
 named here once and refused by pod_rules.py (CEL at admission, the same check in Python): the operator's
 own env names (`RESERVED_ENV_NAMES`, `RESERVED_ENV_PREFIXES`), volume names (`RESERVED_VOLUME_NAMES`,
 `RESERVED_VOLUME_NAME_RE`) and mount paths (`RESERVED_MOUNT_PATHS`, at or under), hostPath volumes and
-host namespaces. The Pod Security "restricted" contexts are not fields at all: the builders own them.
+host namespaces, and pod labels/annotations of the operator's own (`RESERVED_LABEL_PREFIX`,
+`RESERVED_LABEL_KEYS`). The Pod Security "restricted" contexts are not fields at all: the builders own them.
+Container resources may name any extended resource (amd.com/gpu, rdma/hca) but the accelerator's
+(`Accelerator`, spec.accelerator: the resource GPUs are requested as, whose count follows parallelism).
 
 Where each field lands (builders/overrides.py applies them; the router takes only what is listed):
-- engine pods: every field; env, envFrom, volumeMounts and resources on the engine container.
+- engine pods: every field; env, envFrom, volumeMounts and resources (claims: DRA, naming pod.resourceClaims) on
+  the engine container; labels and annotations on the pod template, never over the operator's own keys.
 - router pod: tolerations, priorityClassName, imagePullSecrets from spec.pod, plus router.nodeSelector,
   router.tolerations (after spec.pod's) and router.resources. The router needs no GPU node, so the
   engine's nodeSelector, affinity, topology spread and runtimeClassName do not follow it.
 A pool's `pod` (`PoolPodOverrides`: spec.pod's fields but volumes, which the service declares once: a fourth
 copy of the volume sources would take the CRD past what client-side apply can store) is merged over spec.pod:
-maps merge (the pool's key wins), lists append, except lists of named entries (env, imagePullSecrets by name;
-volumeMounts by mountPath), where the pool's entry replaces the global one of the same key in place; scalars
-replace; affinity merges per kind (nodeAffinity, podAffinity, podAntiAffinity) and resources per resource name.
+maps merge (the pool's key wins), lists append, except lists of named entries (env, imagePullSecrets,
+resourceClaims and resources.claims by name; volumeMounts by mountPath), where the pool's entry replaces the
+global one of the same key in place; scalars replace; affinity merges per kind (nodeAffinity, podAffinity,
+podAntiAffinity) and resources per resource name.
 """
 
 from __future__ import annotations
@@ -31,15 +36,17 @@ from tidepool.operator.api.auth import API_KEY_MOUNT_DIR, API_KEY_VOLUME
 from tidepool.operator.api.base import ApiModel
 from tidepool.operator.api.kube import (
     OPTIONAL_QUALIFIED_NAME_RE,
+    PREFIXED_NAME_RE,
     QUALIFIED_NAME_MAX,
     EnvFromSource,
     EnvVar,
+    Labels,
     LabelValue,
     LocalObjectReference,
     Volume,
     VolumeMount,
 )
-from tidepool.operator.api.scheduling import Affinity, TopologySpreadConstraint
+from tidepool.operator.api.scheduling import Affinity, PodResourceClaim, ResourceClaimRef, TopologySpreadConstraint
 from tidepool.operator.api.types import DnsSubdomain, Quantity
 
 # Env the operator sets on the engine container (HOME, HF_HOME, the StatefulSet ranks' TIDEPOOL_*) or that
@@ -56,9 +63,21 @@ RESERVED_VOLUME_NAME_RE = r"^pvc-[0-9a-f]{10}$"
 RESERVED_MOUNT_PATHS: tuple[str, ...] = (
     "/tmp", "/dev/shm", "/models", posixpath.dirname(CONTROL_KEY_MOUNT_PATH), API_KEY_MOUNT_DIR,
 )  # fmt: skip
-# Container resources an override may set; GPUs follow spec.parallelism / resources.gpusPerReplica.
+# Container resources an override may set: these, hugepages-<size>, and any extended resource (a DNS-subdomain
+# prefix, '/', a name: amd.com/gpu, nvidia.com/mig-1g.10gb, rdma/hca) outside kubernetes.io, as Kubernetes allows;
+# never spec.accelerator.resourceName, whose count follows spec.parallelism / resources.gpusPerReplica.
 RESOURCE_NAMES: tuple[str, ...] = ("cpu", "memory", "ephemeral-storage")
 HUGEPAGES_PREFIX = "hugepages-"
+EXTENDED_RESOURCE_RE = PREFIXED_NAME_RE
+NATIVE_RESOURCE_DOMAIN = "kubernetes.io/"  # Kubernetes refuses extended resources in its own domain
+DEFAULT_ACCELERATOR = "nvidia.com/gpu"
+# Pod labels and annotations the operator owns: its selector, spec-hash and group labels (tidepool.dev/...) and
+# the recommended labels, llm-d's role label it sets on every engine pod (builders/common.py `labels`).
+RESERVED_LABEL_PREFIX = "tidepool.dev/"
+RESERVED_LABEL_KEYS: tuple[str, ...] = (
+    "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+    "app.kubernetes.io/managed-by", "llm-d.ai/role",
+)  # fmt: skip
 # The router container's requests and limits before router.resources replaces entries per resource name.
 ROUTER_RESOURCES: dict[str, dict[str, str]] = {
     "requests": {"cpu": "250m", "memory": "256Mi"},
@@ -82,8 +101,37 @@ def reserved_mount(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in RESERVED_MOUNT_PATHS)
 
 
+def is_extended_resource(name: str) -> bool:
+    """Whether `name` is an extended resource name Kubernetes accepts (prefix/name, not in kubernetes.io)."""
+    return (
+        len(name) <= QUALIFIED_NAME_MAX
+        and re.match(EXTENDED_RESOURCE_RE, name) is not None
+        and NATIVE_RESOURCE_DOMAIN not in name
+    )
+
+
 def allowed_resource(name: str) -> bool:
-    return name in RESOURCE_NAMES or name.startswith(HUGEPAGES_PREFIX)
+    return name in RESOURCE_NAMES or name.startswith(HUGEPAGES_PREFIX) or is_extended_resource(name)
+
+
+def reserved_label(key: str) -> bool:
+    """Whether a pod label or annotation key is the operator's own (refused in pod.labels / pod.annotations)."""
+    return key.startswith(RESERVED_LABEL_PREFIX) or key in RESERVED_LABEL_KEYS
+
+
+ResourceName = Annotated[
+    str, StringConstraints(min_length=1, max_length=QUALIFIED_NAME_MAX, pattern=EXTENDED_RESOURCE_RE)
+]
+
+
+class Accelerator(ApiModel):
+    """`spec.accelerator`: the extended resource the engine pods request `gpusPerReplica / pipeline` of."""
+
+    resource_name: ResourceName = Field(
+        default=DEFAULT_ACCELERATOR,
+        description="Device-plugin resource (e.g. amd.com/gpu, nvidia.com/mig-1g.10gb); the engine pods tolerate "
+        "a taint of this key and of <its domain>/gpu.",
+    )
 
 
 class Toleration(ApiModel):
@@ -110,10 +158,18 @@ def _resource_list(description: str) -> Any:
 
 
 class ContainerResources(ApiModel):
-    """Requests and limits of one container, per resource (cpu, memory, ephemeral-storage, hugepages-*)."""
+    """Requests and limits of one container, per resource (cpu, memory, ephemeral-storage, hugepages-*, extended)."""
 
     requests: ResourceList = _resource_list("Requests by resource name; each replaces the operator's value.")
     limits: ResourceList = _resource_list("Limits by resource name; each replaces the operator's value.")
+
+
+class EngineResources(ContainerResources):
+    """The engine container's resources: requests, limits and the DRA claims it uses."""
+
+    claims: list[ResourceClaimRef] = Field(
+        default_factory=list, max_length=8, description="Names of pod.resourceClaims the engine container uses."
+    )
 
 
 class PoolPodOverrides(ApiModel):
@@ -124,8 +180,17 @@ class PoolPodOverrides(ApiModel):
         default_factory=dict, max_length=32, description="Extra node selector labels."
     )
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    labels: Labels = Field(
+        default_factory=dict,
+        max_length=32,
+        description="Extra engine pod labels (e.g. kueue.x-k8s.io/queue-name); not the operator's own.",
+    )
     annotations: dict[str, Annotated[str, StringConstraints(max_length=4096)]] = Field(
-        default_factory=dict, max_length=64, description="Extra pod annotations."
+        default_factory=dict, max_length=64, description="Extra pod annotations; tidepool.dev/* are refused."
+    )
+    scheduler_name: DnsSubdomain | None = Field(default=None, description="Scheduler of the engine pods.")
+    resource_claims: list[PodResourceClaim] = Field(
+        default_factory=list, max_length=8, description="DRA claims of the engine pods (resource.k8s.io)."
     )
     service_account_name: DnsSubdomain | None = Field(
         default=None, description="ServiceAccount of the engine pods; unset uses the namespace default."
@@ -153,7 +218,7 @@ class PoolPodOverrides(ApiModel):
     topology_spread_constraints: list[TopologySpreadConstraint] = Field(
         default_factory=list, max_length=8, description="How the engine pods spread across nodes or zones."
     )
-    resources: ContainerResources | None = Field(
+    resources: EngineResources | None = Field(
         default=None, description="Engine container requests/limits, replacing those from spec.resources per key."
     )
     host_network: bool | None = Field(default=None, description="Refused when true (Pod Security 'restricted').")

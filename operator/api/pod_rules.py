@@ -47,8 +47,16 @@ _ALLOWED = ", ".join(_wire(k.Volume, k.VOLUME_SOURCES))
 _RESERVED_ENV = ", ".join((*p.RESERVED_ENV_NAMES, *(f"{x}*" for x in p.RESERVED_ENV_PREFIXES)))
 
 
-def _cel_resource_keys(field: str) -> str:
-    return f"self.{field}.all(r, r in {_cel_list(p.RESOURCE_NAMES)} || r.startsWith('{p.HUGEPAGES_PREFIX}'))"
+def _cel_resource_keys() -> str:
+    """Every key of requests and of limits (one regex in the CRD, not two)."""
+    return (
+        f"[self.requests, self.limits].all(m, m.all(r, r in {_cel_list(p.RESOURCE_NAMES)} || "
+        f"r.startsWith('{p.HUGEPAGES_PREFIX}') || (size(r) <= {k.QUALIFIED_NAME_MAX} && "
+        f"r.matches('{p.EXTENDED_RESOURCE_RE}') && !r.contains('{p.NATIVE_RESOURCE_DOMAIN}'))))"
+    )
+
+
+_RESERVED_LABELS = ", ".join((f"{p.RESERVED_LABEL_PREFIX}*", *p.RESERVED_LABEL_KEYS))
 
 
 def _mounts_ok(x: s.InferenceServiceSpec) -> bool:
@@ -170,11 +178,34 @@ POD_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         p.ContainerResources,
-        _cel_resource_keys("requests") + " && " + _cel_resource_keys("limits"),
+        _cel_resource_keys(),
         "pod.resources and router.resources may set only "
         + ", ".join(p.RESOURCE_NAMES)
-        + f" and {p.HUGEPAGES_PREFIX}<size> (GPUs follow resources.gpusPerReplica)",
+        + f", {p.HUGEPAGES_PREFIX}<size> and extended resources (a DNS-subdomain prefix, '/', a name, outside "
+        f"{p.NATIVE_RESOURCE_DOMAIN}: e.g. amd.com/gpu, rdma/hca)",
         lambda r: all(p.allowed_resource(n) for n in (*r.requests, *r.limits)),
+    ),
+    Rule(
+        p.PoolPodOverrides,
+        "self.resourceClaims.all(c, self.resourceClaims.exists_one(d, d.name == c.name))",
+        "pod.resourceClaims names must be unique",
+        lambda o: _unique(o.resource_claims, "name"),
+        ".resourceClaims",
+    ),
+    Rule(
+        p.PoolPodOverrides,
+        f"self.labels.all(k, !k.startsWith('{p.RESERVED_LABEL_PREFIX}') && !(k in {_cel_list(p.RESERVED_LABEL_KEYS)}))",
+        f"pod.labels must not set a label the operator sets itself ({_RESERVED_LABELS}): its selectors and "
+        "rollout hash depend on them; use another key",
+        lambda o: not any(p.reserved_label(key) for key in o.labels),
+        ".labels",
+    ),
+    Rule(
+        p.PoolPodOverrides,
+        f"self.annotations.all(k, !k.startsWith('{p.RESERVED_LABEL_PREFIX}'))",
+        f"pod.annotations must not use the operator's prefix {p.RESERVED_LABEL_PREFIX}",
+        lambda o: not any(key.startswith(p.RESERVED_LABEL_PREFIX) for key in o.annotations),
+        ".annotations",
     ),
     Rule(
         p.PoolPodOverrides,
@@ -214,6 +245,7 @@ POD_RULES: tuple[Rule, ...] = (
         ".pod",
     ),
     _label_keys(p.PoolPodOverrides, ("node_selector", "annotations"), "pod.nodeSelector and pod.annotations"),
+    _label_keys(p.PoolPodOverrides, ("labels",), "pod.labels"),
     _label_keys(s.RouterSpec, ("node_selector",), "router.nodeSelector"),
     _label_keys(sc.LabelSelector, ("match_labels",), "a label selector's matchLabels"),
     _label_keys(k.ClaimMetadata, ("labels", "annotations"), "an ephemeral volume claim's labels and annotations"),

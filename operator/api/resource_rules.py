@@ -10,13 +10,21 @@ here states it in CEL (generated from the same layer list, the router's defaults
 it in Python (`effective`), so the API server refuses the InferenceService with a message that says
 what to change, and the reconcile (which runs the same check) never gets that far.
 
+Also here, the other rules on what the engine container requests: an extended resource is never overcommitted
+(its request equals its limit), spec.accelerator.resourceName is an extended resource outside kubernetes.io
+that no pod.resources sets (its count follows parallelism), and every DRA claim the container names is one of
+the pod's resourceClaims (spec.pod's, or the pool's own), each naming a claim or a claim template.
+
 Invariant: `effective` computes what the builders render; tests/operator/test_resource_rules.py checks
 it against the built pods.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tidepool.operator.api import pod as p
+from tidepool.operator.api import scheduling as sc
 from tidepool.operator.api import spec as s
 from tidepool.operator.api.quantity import is_quantity, quantity_value
 from tidepool.operator.api.rule import Rule
@@ -122,11 +130,100 @@ def _pool_rule(pool: str) -> Rule:
     )
 
 
+def _extended_pairs_ok(r: p.ContainerResources) -> bool:
+    return all("/" not in n or (n in r.limits and str(r.limits[n]) == str(v)) for n, v in r.requests.items())
+
+
+def _pools_pods(x: s.InferenceServiceSpec) -> list[tuple[p.PoolPodOverrides, list[str]]]:
+    """spec.pod and each pool's pod, with the DRA claim names the engine container may use there."""
+    own = [c.name for c in x.pod.resource_claims]
+    out: list[tuple[p.PoolPodOverrides, list[str]]] = [(x.pod, own)]
+    for pool in (x.pools.unified, x.pools.prefill, x.pools.decode):
+        if pool is not None and pool.pod is not None:
+            out.append((pool.pod, own + [c.name for c in pool.pod.resource_claims]))
+    return out
+
+
+def _claims_ok(x: s.InferenceServiceSpec) -> bool:
+    return all(c.name in names for pod, names in _pools_pods(x) if pod.resources for c in pod.resources.claims)
+
+
+def _accelerator_not_overridden(x: s.InferenceServiceSpec) -> bool:
+    gpu = x.accelerator_resource()
+    return all(
+        gpu not in pod.resources.requests and gpu not in pod.resources.limits
+        for pod, _ in _pools_pods(x)
+        if pod.resources is not None
+    )
+
+
+def _cel_pool_pods(check: Callable[[str, str], str]) -> str:
+    """`check(pod, claimed)` for spec.pod and every pool's pod: `pod` is its CEL path, `claimed` a CEL test that
+    the claim named `c.name` is declared where that pod may use it (its own resourceClaims or spec.pod's)."""
+    own = "self.pod.resourceClaims.exists(r, r.name == c.name)"
+    parts = [f"({check('self.pod', own)})"]
+    for pool in s.POOL_NAMES:
+        at = f"self.pools.{pool}.pod"
+        claimed = f"({at}.resourceClaims.exists(r, r.name == c.name) || {own})"
+        parts.append(f"(!has(self.pools.{pool}) || !has({at}) || ({check(at, claimed)}))")
+    return " && ".join(parts)
+
+
+def _cel_claims(pod: str, claimed: str) -> str:
+    return f"!has({pod}.resources) || {pod}.resources.claims.all(c, {claimed})"
+
+
+_CEL_GPU = f"(has(self.accelerator) ? self.accelerator.resourceName : '{p.DEFAULT_ACCELERATOR}')"
+
+
+def _cel_no_gpu(pod: str, _: str) -> str:
+    return f"!has({pod}.resources) || !({_CEL_GPU} in {pod}.resources.requests || {_CEL_GPU} in {pod}.resources.limits)"
+
+
 _ROUTER_DEFAULTS = ", ".join(
     f"{kind} {k}={v}" for kind, values in p.ROUTER_RESOURCES.items() for k, v in values.items()
 )
 RESOURCE_RULES: tuple[Rule, ...] = (
     *(_pool_rule(pool) for pool in s.POOL_NAMES),
+    Rule(
+        p.ContainerResources,
+        "self.requests.all(r, !r.contains('/') || "
+        "(r in self.limits && string(self.requests[r]) == string(self.limits[r])))",
+        "pod.resources: an extended resource (a name with '/') cannot be overcommitted: set it in limits (the "
+        "request follows), or give the same value in requests and limits",
+        _extended_pairs_ok,
+        ".requests",
+    ),
+    Rule(
+        p.Accelerator,
+        f"!self.resourceName.contains('{p.NATIVE_RESOURCE_DOMAIN}')",
+        f"accelerator.resourceName must be an extended resource outside {p.NATIVE_RESOURCE_DOMAIN} "
+        "(e.g. nvidia.com/gpu, amd.com/gpu, nvidia.com/mig-1g.10gb)",
+        lambda a: p.is_extended_resource(a.resource_name),
+        ".resourceName",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        _cel_pool_pods(_cel_no_gpu),
+        "pod.resources must not set spec.accelerator.resourceName: its count follows resources.gpusPerReplica and "
+        "parallelism (tensor GPUs per pod)",
+        _accelerator_not_overridden,
+        ".pod",
+    ),
+    Rule(
+        s.InferenceServiceSpec,
+        _cel_pool_pods(_cel_claims),
+        "pod.resources.claims must name a pod.resourceClaims entry (spec.pod's, or for a pool's pod, its own or "
+        "spec.pod's)",
+        _claims_ok,
+        ".pod",
+    ),
+    Rule(
+        sc.PodResourceClaim,
+        "has(self.resourceClaimName) != has(self.resourceClaimTemplateName)",
+        "pod.resourceClaims entries need exactly one of resourceClaimName, resourceClaimTemplateName",
+        lambda c: (c.resource_claim_name is None) != (c.resource_claim_template_name is None),
+    ),
     Rule(
         s.RouterSpec,
         _cel_not_above([("has(self.resources)", "self.resources")], p.ROUTER_RESOURCES, BASE_KEYS),

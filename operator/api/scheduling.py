@@ -1,4 +1,5 @@
-"""Kubernetes scheduling shapes that `spec.pod` copies onto the engine pods: affinity and topology spread.
+"""Kubernetes scheduling shapes that `spec.pod` copies onto the engine pods: affinity, topology spread and DRA
+resource claims (`resourceClaims` on the pod, `resources.claims` on the engine container).
 
 The Kubernetes types of the same names and wire names, every string, list and map bounded (the API
 server's CEL cost estimator needs it). Shapes only; the builders pass them through (overrides.py), and a
@@ -146,3 +147,20 @@ class TopologySpreadConstraint(ApiModel):
     node_affinity_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
     node_taints_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Honor or Ignore.")
     match_label_keys: list[LabelKey] = Field(default_factory=list, max_length=8, description="Keys matched by value.")
+
+
+class PodResourceClaim(ApiModel):
+    """A DRA claim of the pod (resource.k8s.io): a ResourceClaim by name, or one made per pod from a template."""
+
+    name: DnsLabel = Field(description="Name the containers' resources.claims use.")
+    resource_claim_name: DnsSubdomain | None = Field(default=None, description="An existing ResourceClaim.")
+    resource_claim_template_name: DnsSubdomain | None = Field(
+        default=None, description="A ResourceClaimTemplate: one claim per pod."
+    )
+
+
+class ResourceClaimRef(ApiModel):
+    """A container's use of one of the pod's resourceClaims."""
+
+    name: DnsLabel = Field(description="A pod resourceClaims name.")
+    request: DnsLabel | None = Field(default=None, description="One request of the claim; unset: all of it.")

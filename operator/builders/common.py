@@ -1,5 +1,8 @@
 """Names, labels, the spec hash and the Pod Security "restricted" contexts shared by all builders.
 
+The InferenceService's own labels reach every child and pod template (`inherited_labels`, `inherit_labels`),
+minus GitOps tools' tracking labels and the other documented exclusions.
+
 Invariants: pure functions; selector labels (`tidepool.dev/inferenceservice`, `tidepool.dev/pool`)
 never change for a child, so selectors stay immutable; the spec hash is a digest of a canonical JSON
 dump (sorted keys), so equal inputs always give equal hashes.
@@ -79,6 +82,59 @@ def labels(service: str, pool: str, component: str) -> dict[str, str]:
     if component == "engine" and pool in LLMD_ROLES:
         out[LLMD_ROLE_LABEL] = LLMD_ROLES[pool]
     return out
+
+
+# The InferenceService's own labels reach every child and pod template (cost labels, team, environment), except
+# these: tracking labels of GitOps tools and kubectl (copied, they would make Argo CD or Flux think it owns or
+# should prune the children: app.kubernetes.io/instance is Argo CD's default tracking label), Helm's, Kueue's
+# (a queue name on the router or the Services would have Kueue gate them: pod.labels puts one on engine pods),
+# and the operator's own prefix. The operator's own labels are never overridden.
+INHERIT_EXCLUDED_PREFIXES: tuple[str, ...] = (
+    f"{GROUP}/", "kubectl.kubernetes.io/", "argocd.argoproj.io/", "kustomize.toolkit.fluxcd.io/",
+    "helm.toolkit.fluxcd.io/", "kueue.x-k8s.io/",
+)  # fmt: skip
+INHERIT_EXCLUDED_KEYS: tuple[str, ...] = ("app.kubernetes.io/instance", "app.kubernetes.io/managed-by", "helm.sh/chart")
+# Where a child kind keeps its pod templates (a path of keys from the object).
+TEMPLATE_PATHS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "Deployment": (("spec", "template"),),
+    "StatefulSet": (("spec", "template"),),
+    "LeaderWorkerSet": (
+        ("spec", "leaderWorkerTemplate", "workerTemplate"),
+        ("spec", "leaderWorkerTemplate", "leaderTemplate"),
+    ),
+}
+
+
+def inherited_labels(service_labels: dict[str, str] | None) -> dict[str, str]:
+    """The labels of an InferenceService that its children carry too (see INHERIT_EXCLUDED_*)."""
+    return {
+        k: v
+        for k, v in sorted((service_labels or {}).items())
+        if k not in INHERIT_EXCLUDED_KEYS and not k.startswith(INHERIT_EXCLUDED_PREFIXES)
+    }
+
+
+def inherit_labels(child: dict[str, Any], inherited: dict[str, str]) -> None:
+    """Add `inherited` (from `inherited_labels`) to a child's labels and its pod templates' (in place), under
+    the operator's own. A template's spec hash then covers them (a digest of the old hash and the labels, the
+    same for every group of a pool), so the rollout budget and the current-template counts see the change; with
+    no inherited labels nothing changes, hash included."""
+    if not inherited:
+        return
+    meta = child["metadata"]
+    meta["labels"] = dict(sorted({**inherited, **meta.get("labels", {})}.items()))
+    for path in TEMPLATE_PATHS.get(child["kind"], ()):
+        node: Any = child
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not node:
+            continue
+        tmpl_meta = node.setdefault("metadata", {})
+        tmpl_labels = {**inherited, **tmpl_meta.get("labels", {})}
+        if LABEL_SPEC_HASH in tmpl_labels:
+            tmpl_labels[LABEL_SPEC_HASH] = spec_hash([tmpl_labels[LABEL_SPEC_HASH], inherited])
+            meta["labels"][LABEL_SPEC_HASH] = tmpl_labels[LABEL_SPEC_HASH]
+        tmpl_meta["labels"] = dict(sorted(tmpl_labels.items()))
 
 
 def metadata(name: str, namespace: str, lbls: dict[str, str], annotations: dict[str, str] | None = None) -> dict:

@@ -8,8 +8,9 @@ implementation:
   affinity merges per kind (the pool's nodeAffinity, podAffinity or podAntiAffinity replaces the global one);
   resources merge per key (requests and limits are maps).
 - `apply_engine_pod(spec, container, pod, selector)`: the overrides the builders do not place themselves
-  (scheduling, identity and annotations they read from `pool_pod` directly).
-- `container_resources(base, override)`: requests/limits per resource name, canonical quantities.
+  (scheduling, schedulerName, DRA resourceClaims; identity, labels and annotations they read from `pool_pod`).
+- `container_resources(base, override)`: requests/limits per resource name, canonical quantities, and the DRA
+  claims of the engine container.
 
 Invariants: pure. An override never reaches the security contexts (the API has no field for them) nor
 the operator's own env, volumes and mounts: rules.py refuses those names at admission, and `ServiceView`
@@ -22,7 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tidepool.operator.api.pod import ContainerResources, PodOverrides, PoolPodOverrides
+from tidepool.operator.api.pod import ContainerResources, EngineResources, PodOverrides, PoolPodOverrides
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.scheduling import Affinity
 from tidepool.operator.api.view import ServiceView
@@ -33,6 +34,7 @@ KEYED_LISTS: dict[str, str] = {
     "volumes": "name",
     "image_pull_secrets": "name",
     "volume_mounts": "mount_path",
+    "resource_claims": "name",
 }
 
 
@@ -64,10 +66,14 @@ def _merge_keyed(base: list[Any], over: list[Any], key: str) -> list[Any]:
     return out
 
 
-def _merge_resources(base: ContainerResources | None, over: ContainerResources) -> ContainerResources:
+def _merge_resources(base: EngineResources | None, over: EngineResources) -> EngineResources:
     if base is None:
         return over
-    return ContainerResources(requests={**base.requests, **over.requests}, limits={**base.limits, **over.limits})
+    return EngineResources(
+        requests={**base.requests, **over.requests},
+        limits={**base.limits, **over.limits},
+        claims=_merge_keyed(base.claims, over.claims, "name"),
+    )
 
 
 def _merge_affinity(base: Affinity | None, over: Affinity) -> Affinity:
@@ -92,7 +98,7 @@ def merge_pod(base: PodOverrides, over: PoolPodOverrides | None) -> PodOverrides
             update[name] = _merge_keyed(mine, theirs, KEYED_LISTS[name])
         elif isinstance(theirs, list):
             update[name] = [*mine, *theirs]
-        elif isinstance(theirs, ContainerResources):
+        elif isinstance(theirs, EngineResources):
             update[name] = _merge_resources(mine, theirs)
         elif isinstance(theirs, Affinity):
             update[name] = _merge_affinity(mine, theirs)
@@ -107,14 +113,17 @@ def pool_pod(view: ServiceView, pool: str) -> PodOverrides:
 
 
 def container_resources(base: dict[str, dict[str, str]], override: ContainerResources | None) -> dict[str, Any]:
-    """`base` ({"requests": ..., "limits": ...}) with the override's entries replacing it per resource name.
-    A request above its limit never gets here: api/resource_rules.py refuses the spec (at admission, and in
-    the validation every ServiceView runs)."""
+    """`base` ({"requests": ..., "limits": ...}) with the override's entries replacing it per resource name, and
+    the engine's DRA `claims` (sorted by name) when it names any. A request above its limit never gets here:
+    api/resource_rules.py refuses the spec (at admission, and in the validation every ServiceView runs)."""
     requests, limits = dict(base.get("requests", {})), dict(base.get("limits", {}))
+    out: dict[str, Any] = {}
     if override is not None:
         requests.update({k: canonical_quantity(v) for k, v in override.requests.items()})
         limits.update({k: canonical_quantity(v) for k, v in override.limits.items()})
-    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+        if isinstance(override, EngineResources) and override.claims:
+            out["claims"] = sorted((wire(c) for c in override.claims), key=lambda c: (c["name"], c.get("request", "")))
+    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items())), **out}
 
 
 def _spread(constraint: dict[str, Any], selector: dict[str, str]) -> dict[str, Any]:
@@ -154,6 +163,10 @@ def apply_engine_pod(spec: dict[str, Any], container: dict[str, Any], pod: PodOv
         spec["imagePullSecrets"] = have + [wire(s) for s in pod.image_pull_secrets if wire(s) not in have]
     if pod.runtime_class_name:
         spec["runtimeClassName"] = pod.runtime_class_name
+    if pod.scheduler_name:
+        spec["schedulerName"] = pod.scheduler_name
+    if pod.resource_claims:
+        spec["resourceClaims"] = sorted((wire(c) for c in pod.resource_claims), key=lambda c: c["name"])
     if pod.affinity is not None and wire(pod.affinity):
         spec["affinity"] = wire(pod.affinity)
     if pod.topology_spread_constraints:

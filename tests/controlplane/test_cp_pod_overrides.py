@@ -27,6 +27,7 @@ from operator_kit import (
     wait_until,
 )
 
+from controlplane_fixture import load_devcluster
 from tidepool.operator.api import GROUP, PLURAL, VERSION, InferenceServiceSpec, validate_spec
 from tidepool.operator.builders import ServiceView, desired_state
 from tidepool.operator.builders.common import container_security_context, pod_security_context
@@ -217,3 +218,135 @@ def test_forbidden_overrides_are_refused_by_the_api_server(control_plane, cp_nam
     message = _refusal(control_plane, cp_namespace, body)
     assert expected in message, message
     assert get_isvc(control_plane, cp_namespace, "refused") is None
+
+
+# ---- Real GPU fleets (#39 item 6): another vendor's accelerator, pod labels and annotations, a PriorityClass,
+# the service's own labels on every child, DRA claims and a scheduler of the admin's choice.
+FLEET_NODE_LABEL = "tidepool.dev/test-fleet"
+SERVICE_LABELS = {"team": "search", "argocd.argoproj.io/instance": "apps", "app.kubernetes.io/instance": "apps"}
+
+
+def _amd_node(name: str, namespace: str) -> dict[str, Any]:
+    """A KWOK node with 8 amd.com/gpu and no nvidia.com/gpu, tainted amd.com/gpu (as AMD's operator does)."""
+    node = load_devcluster().gpu_node(name)
+    resources = dict(node["status"]["capacity"])
+    resources["amd.com/gpu"] = resources.pop("nvidia.com/gpu")
+    node["status"].update(capacity=resources, allocatable=dict(resources))
+    node["metadata"]["labels"][FLEET_NODE_LABEL] = namespace
+    node["spec"] = {"taints": [{"key": "amd.com/gpu", "value": "present", "effect": "NoSchedule"}]}
+    return node
+
+
+def _fleet_isvc(name: str, namespace: str, pod: dict[str, Any]) -> dict[str, Any]:
+    obj = load_example("inferenceservice-unified.yaml")
+    obj["metadata"].update(name=name, labels=dict(SERVICE_LABELS))
+    spec = obj["spec"]
+    spec.update(
+        accelerator={"resourceName": "amd.com/gpu"},
+        resources={**spec.get("resources", {}), "gpusPerReplica": 2, "cpu": "1", "memory": "4Gi"},
+        parallelism={"tensor": 2, "pipeline": 1},
+        pod={"nodeSelector": {FLEET_NODE_LABEL: namespace}, **pod},
+    )
+    spec["pools"]["unified"].update(replicas=1, minReplicas=1)
+    spec["autoscaling"]["enabled"] = False
+    spec["router"].update(nodeSelector={"type": "kwok"})
+    return obj
+
+
+def test_amd_gpus_labels_and_priority_reach_pods_that_schedule(control_plane, cp_namespace, operator):
+    ns, node_name = cp_namespace, f"{cp_namespace[:40]}-amd"
+    priority = {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                "metadata": {"name": f"{ns[:40]}-high"}, "value": 1000}  # fmt: skip
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(priority))
+    control_plane.kubectl("create", "-f", "-", input=yaml.safe_dump(_amd_node(node_name, ns)))
+    try:
+        pod = {
+            "labels": {"kueue.x-k8s.io/queue-name": "team-a", "cost-center": "ml"},
+            "annotations": {"example.com/owner": "platform"},
+            "priorityClassName": priority["metadata"]["name"],
+        }
+        obj = _fleet_isvc("amd", ns, pod)
+        assert validate_spec(InferenceServiceSpec.model_validate(obj["spec"]), "amd") == []
+        bind_claims(control_plane, ns, claims_in(obj["spec"]))
+        control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
+        wait_until(lambda: is_ready(get_isvc(control_plane, ns, "amd")), 180, "amd Ready")
+
+        (engine,) = pods(control_plane, ns, "tidepool.dev/inferenceservice=amd,tidepool.dev/pool=unified")
+        assert engine["spec"]["nodeName"] == node_name and pod_is_ready(engine)  # the scheduler counted amd.com/gpu
+        resources = engine["spec"]["containers"][0]["resources"]
+        assert resources["limits"]["amd.com/gpu"] == "2" and "nvidia.com/gpu" not in resources["limits"]
+        assert {"key": "amd.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in engine["spec"]["tolerations"]
+        assert engine["spec"]["priorityClassName"] == priority["metadata"]["name"]
+        assert engine["spec"]["priority"] == 1000  # the Priority admission resolved it
+        labels = engine["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a" and labels["cost-center"] == "ml"
+        assert labels["team"] == "search" and labels["app.kubernetes.io/instance"] == "amd"
+        assert "argocd.argoproj.io/instance" not in labels
+        assert engine["metadata"]["annotations"]["example.com/owner"] == "platform"
+
+        # The service's labels reach every child (and the router's pods), never Argo CD's tracking labels.
+        for (kind, name), child in children(control_plane, ns, "amd").items():
+            if kind == "PersistentVolumeClaim":
+                continue
+            child_labels = child["metadata"].get("labels") or {}
+            assert child_labels.get("team") == "search", (kind, name)
+            assert child_labels.get("app.kubernetes.io/instance") == "amd", (kind, name)
+            assert "argocd.argoproj.io/instance" not in child_labels, (kind, name)
+        routers = pods(control_plane, ns, "tidepool.dev/inferenceservice=amd,tidepool.dev/pool=router")
+        assert routers and all(r["metadata"]["labels"]["team"] == "search" for r in routers)
+        assert not any("kueue.x-k8s.io/queue-name" in r["metadata"]["labels"] for r in routers)
+
+        # A label changed on the service alone (no new generation) still reaches the children.
+        control_plane.kubectl("label", "-n", ns, "inferenceservice", "amd", "team=ranking", "--overwrite")
+        wait_until(
+            lambda: all(
+                (c["metadata"].get("labels") or {}).get("team") == "ranking"
+                for (kind, _), c in children(control_plane, ns, "amd").items()
+                if kind != "PersistentVolumeClaim"
+            ),
+            120,
+            "the new service label on every child",
+        )
+    finally:
+        control_plane.kubectl("delete", "node", node_name, "--wait=false", check=False)
+        control_plane.kubectl("delete", "priorityclass", priority["metadata"]["name"], "--wait=false", check=False)
+
+
+def test_dra_claims_and_scheduler_name_reach_the_pod_spec(control_plane, cp_namespace, operator):
+    ns = cp_namespace
+    versions = control_plane.kubectl("api-versions").stdout.split()
+    assert "resource.k8s.io/v1" in versions, versions  # DRA is GA: the test API server serves it
+    template = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": "gpu-pair", "namespace": ns},
+        "spec": {
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.example.com"}}]}}
+        },
+    }
+    control_plane.kubectl("apply", "-f", "-", input=yaml.safe_dump(template))
+    pod = {
+        # No such scheduler runs: the pods stay Pending, which shows the operator did not drop the field.
+        "schedulerName": "tidepool-test-scheduler",
+        "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": "gpu-pair"}],
+        "resources": {"claims": [{"name": "gpus", "request": "gpu"}], "limits": {"rdma/hca": "1"}},
+    }
+    obj = _fleet_isvc("dra", ns, pod)
+    assert validate_spec(InferenceServiceSpec.model_validate(obj["spec"]), "dra") == []
+    bind_claims(control_plane, ns, claims_in(obj["spec"]))
+    control_plane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(obj))
+    (engine,) = wait_until(
+        lambda: pods(control_plane, ns, "tidepool.dev/inferenceservice=dra,tidepool.dev/pool=unified"), 120, "dra pod"
+    )
+    assert engine["spec"]["schedulerName"] == "tidepool-test-scheduler" and not engine["spec"].get("nodeName")
+    assert engine["spec"]["resourceClaims"] == [{"name": "gpus", "resourceClaimTemplateName": "gpu-pair"}]
+    container = engine["spec"]["containers"][0]
+    assert container["resources"]["claims"] == [{"name": "gpus", "request": "gpu"}]
+    assert container["resources"]["limits"]["rdma/hca"] == "1"
+    # kube-controller-manager's resourceclaim controller made the pod its claim from the template.
+    claims = wait_until(
+        lambda: json.loads(control_plane.kubectl("get", "resourceclaims", "-n", ns, "-o", "json").stdout)["items"],
+        60,
+        "a ResourceClaim from the template",
+    )
+    assert any(o["name"] == engine["metadata"]["name"] for c in claims for o in c["metadata"]["ownerReferences"])

@@ -257,7 +257,11 @@ def test_every_env_volume_and_mount_the_builders_render_is_reserved() -> None:
             "at or under",
         ),
         ({"hostPID": True}, "hostNetwork, hostPID and hostIPC are refused"),
-        ({"resources": {"requests": {"nvidia.com/gpu": "1"}}}, "GPUs follow resources.gpusPerReplica"),
+        ({"resources": {"limits": {"nvidia.com/gpu": "1"}}}, "its count follows resources.gpusPerReplica"),
+        ({"resources": {"requests": {"rdma/hca": "1"}}}, "an extended resource (a name with '/') cannot be"),
+        ({"resources": {"claims": [{"name": "gpus"}]}}, "pod.resources.claims must name a pod.resourceClaims"),
+        ({"labels": {"tidepool.dev/pool": "x"}}, "pod.labels must not set a label the operator sets itself"),
+        ({"annotations": {"tidepool.dev/x": "y"}}, "pod.annotations must not use the operator's prefix"),
     ],
 )
 def test_refusals_name_the_fix(pod: dict[str, Any], message: str) -> None:
