@@ -18,8 +18,29 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
+from typing import Any
 
 logger = logging.getLogger("tidepool.operator")
+
+
+def _add_election_args(parser: argparse.ArgumentParser, lease: dict[str, Any]) -> None:
+    election = parser.add_argument_group("leader election (several replicas, one reconciles)")
+    election.add_argument(
+        "--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="hold a Lease before reconciling"
+    )
+    election.add_argument("--leader-election-id", default="tidepool-operator", help="name of the Lease")
+    election.add_argument(
+        "--leader-election-namespace", default=None, help="namespace of the Lease; default the pod's own"
+    )
+    election.add_argument(
+        "--lease-duration-seconds", type=float, default=lease["lease_duration_s"], help="a dead leader's Lease expiry"
+    )
+    election.add_argument(
+        "--renew-deadline-seconds", type=float, default=lease["renew_deadline_s"], help="a leader unable to renew quits"
+    )
+    election.add_argument(
+        "--retry-period-seconds", type=float, default=lease["retry_period_s"], help="renew / poll interval"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,23 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kube-api-burst", type=int, default=defaults.kube_api_burst, help="API requests allowed in a burst"
     )
-    election = parser.add_argument_group("leader election (several replicas, one reconciles)")
-    election.add_argument(
-        "--leader-elect", action=argparse.BooleanOptionalAction, default=True, help="hold a Lease before reconciling"
-    )
-    election.add_argument("--leader-election-id", default="tidepool-operator", help="name of the Lease")
-    election.add_argument(
-        "--leader-election-namespace", default=None, help="namespace of the Lease; default the pod's own"
-    )
-    election.add_argument(
-        "--lease-duration-seconds", type=float, default=lease["lease_duration_s"], help="a dead leader's Lease expiry"
-    )
-    election.add_argument(
-        "--renew-deadline-seconds", type=float, default=lease["renew_deadline_s"], help="a leader unable to renew quits"
-    )
-    election.add_argument(
-        "--retry-period-seconds", type=float, default=lease["retry_period_s"], help="renew / poll interval"
-    )
+    _add_election_args(parser, lease)
     parser.add_argument(
         "--gpus-per-node", type=int, default=defaults.gpus_per_node, help="GPUs per node; sizes multi-node replicas"
     )
@@ -96,12 +101,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--s3-download-image", default=defaults.s3_download_image, help="image with `aws` for s3:// models"
     )
+    parser.add_argument(
+        "--resolve-revisions",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin a floating hf:// spec.model.revision to its commit once per spec, before any pod starts (needs "
+        "the operator to reach the Hub or the Secret's HF_ENDPOINT); --no-resolve-revisions: each pod resolves it",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _invalid_number(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numeric flags, if anything."""
     positive = (
         ("resync-seconds", args.resync_seconds),
         ("feature-recheck-seconds", args.feature_recheck_seconds),
@@ -111,10 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for flag, value in positive:
         if value <= 0:
-            print(f"tidepool operator: error: --{flag} must be > 0", file=sys.stderr)
-            return 2
+            return f"--{flag} must be > 0"
     if args.max_concurrent_rollouts < 0:
-        print("tidepool operator: error: --max-concurrent-rollouts must be >= 0 (0: no limit)", file=sys.stderr)
+        return "--max-concurrent-rollouts must be >= 0 (0: no limit)"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if (error := _invalid_number(args)) is not None:
+        print(f"tidepool operator: error: {error}", file=sys.stderr)
         return 2
     import kopf
 
@@ -164,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hf_download_image=args.hf_download_image,
         s3_download_image=args.s3_download_image,
         metrics_port=int(os.environ.get("TIDEPOOL_OPERATOR_METRICS_PORT", "9090")),
+        resolve_revisions=args.resolve_revisions,
     )
     registry = kopf.OperatorRegistry()
     register(registry, creds, options)

@@ -8,7 +8,9 @@
 2. parse the spec once (`ServiceView.from_body`): an invalid spec is reported (InvalidSpec) and
    nothing else happens; the view is what the autoscaler and the builders read;
 3. the autoscaler's tick when it is due (autoscaler/handlers.py; it writes `status.autoscaling`); with
-   the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once;
+   the autoscaler off or external, a `status.autoscaling` an earlier mode left is removed once; then
+   spec.model's floating hf:// revision is pinned to its commit, resolved once per spec and kept in
+   `status.model` (revision.py); a failure is reported (RevisionUnresolved) and nothing is applied;
 4. reconcile, as a short list of steps (`_reconcile`), the API-key Secret check (api_keys.py: spec.auth's
    Secret present, its key for the pods' protected endpoints) and the LoRA step among them (operator/lora/sync.py:
    declared adapters onto serving replicas, status.lora). Fast path: when the generation, the
@@ -52,12 +54,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from tidepool.operator.api import Condition, InferenceServiceStatus, ServiceView, now_rfc3339
-from tidepool.operator.api.status import OperatorDefaults
-from tidepool.operator.api_keys import ApiKeyOutcome, ApiKeys
+from tidepool.operator.api.status import ModelStatus, OperatorDefaults
+from tidepool.operator.api_keys import ApiKeys
 from tidepool.operator.autoscaler.handlers import Autoscaler, applied_replicas
 from tidepool.operator.builders import WORKLOAD_KINDS, ChildKey, ClusterFeatures, Desired, SpecError
+from tidepool.operator.builders.common import inherited_labels
 from tidepool.operator.cache import SERVICE_KIND, Cached, Key, PodInfo, Store
-from tidepool.operator.claims import created_claims, reclaimable_in, with_shared_claims
+from tidepool.operator.claims import created_claims, with_shared_claims
 from tidepool.operator.events import EventRecorder
 from tidepool.operator.features import refused_optional, sticky_kinds
 from tidepool.operator.k8s import ApiError, KubeClient
@@ -66,10 +69,12 @@ from tidepool.operator.lora.sync import LoraOutcome, LoraSync
 from tidepool.operator.metrics import STATUS_DEFERRED, STATUS_WRITES
 from tidepool.operator.observe import downloads_in_progress, observe, observe_pool, old_pools, pod_problems
 from tidepool.operator.reconcile import Event, Plan, desire, plan, pruned_event
+from tidepool.operator.revision import Resolver
 from tidepool.operator.rollout import Held, RolloutBudget, is_paused, observed_rollout, show_held, steer
 from tidepool.operator.state import ServiceState, Verified
 from tidepool.operator.status import Outcome, build_status
 from tidepool.operator.status_write import is_routine, status_patch, write_status
+from tidepool.operator.sync_steps import SyncSteps
 from tidepool.operator.workqueue import WorkQueue
 
 logger = logging.getLogger("tidepool.operator")
@@ -114,7 +119,7 @@ def _message(exc: Exception) -> str:
     return str(exc).replace("\n", " ")
 
 
-class ServiceSync:
+class ServiceSync(SyncSteps):
     """The per-key sync and the per-key state (one `ServiceState` per InferenceService)."""
 
     def __init__(
@@ -132,6 +137,9 @@ class ServiceSync:
         self.autoscaler: Autoscaler | None = None
         self.lora: LoraSync | None = None  # the LoRA step; None: adapters are not managed (tests of other parts)
         self.api_keys = ApiKeys(client, events, clock)  # spec.auth's Secret: checked, its key sent to pods
+        # Floating hf:// revisions -> commits (revision.py); None: each pod resolves its own (--no-resolve-revisions).
+        self.revisions: Resolver | None = None
+        self.pins: dict[Key, ModelStatus] = {}  # each key's resolved revision until status records it
         self.states: dict[Key, ServiceState] = {}
         self.budget = RolloutBudget(options.max_concurrent_rollouts)  # which services may replace pods now
         self.recheck_features = asyncio.Event()  # set when an optional kind's apply failed
@@ -152,6 +160,7 @@ class ServiceSync:
 
     def forget(self, key: Key) -> None:
         """The service is gone: drop its state, its autoscaler metric series with it."""
+        self.pins.pop(key, None)
         state = self.states.pop(key, None)
         if state is not None:
             state.autoscale.reset()
@@ -199,6 +208,7 @@ class ServiceSync:
             await self._invalid(key, body, state, _message(exc))
             return
         body = await self._autoscale(key, view, body, state)
+        view = await self._pin(key, body, view, state)
         await self._reconcile(key, body, view, state, full)
 
     async def _autoscale(
@@ -227,7 +237,10 @@ class ServiceSync:
         generation = int(meta.get("generation", 1))
         replicas, scaling_limit = applied_replicas(view, body.get("status") or {})
         replicas_key = tuple(sorted((replicas or {}).items()))
-        fingerprint = (meta["uid"], generation, replicas_key, self.features, is_paused(meta))
+        inherited = tuple(inherited_labels(meta.get("labels")).items())  # the children carry them: not in generation
+        fingerprint = (
+            meta["uid"], generation, replicas_key, self.features, is_paused(meta), view.model.revision, inherited
+        )  # fmt: skip
         children = {**self.store.children_of(key, meta["uid"]), **created_claims(self.store, key)}
         pods = self.store.pods_of(key)
         previous = InferenceServiceStatus.model_validate(body.get("status") or {})
@@ -243,6 +256,7 @@ class ServiceSync:
         auth = await self._api_key(key, body, view, state)
         lora = await self._lora(key, view, pods, state, auth.key)
         status = await self._settle(key, done, previous, pods, scaling_limit, generation, lora, auth.problem)
+        status.model = self.pins.get(key)
         self._steered(key, done, pods, previous.condition("Progressing"), status)
         self._remember(state, fingerprint, done, is_full=verified is None)
         await self._write(key, body, state, previous, status)
@@ -348,25 +362,6 @@ class ServiceSync:
         status.lora = lora.status
         return status
 
-    async def _api_key(self, key: Key, body: dict[str, Any], view: ServiceView, state: ServiceState) -> ApiKeyOutcome:
-        """spec.auth's Secret (api_keys.py): its key for the LoRA step, a problem for status; a missing Secret is
-        looked for again by a wake-up (the operator does not watch Secrets)."""
-        outcome = await self.api_keys.check(body, view, state.api_key, state.lora.take_key_refused())
-        if outcome.wake_s is not None:
-            self._wake(key, state, outcome.wake_s)
-        return outcome
-
-    async def _lora(
-        self, key: Key, view: ServiceView, pods: list[PodInfo], state: ServiceState, api_key: str | None = None
-    ) -> LoraOutcome:
-        """The LoRA step (operator/lora/sync.py): adapters onto serving replicas; a failed load's retry timer."""
-        if self.lora is None:
-            return LoraOutcome(None, [], None)
-        outcome = await self.lora.step(key, view, pods, state.lora, api_key)
-        if outcome.wake_s is not None:
-            self._wake(key, state, outcome.wake_s)
-        return outcome
-
     def _remember(self, state: ServiceState, fingerprint: tuple[Any, ...], done: Pass, is_full: bool) -> None:
         """What this reconcile established: the fast path's evidence (none after an error) and, after a full
         reconcile, when the next safety-net resync is due."""
@@ -385,16 +380,6 @@ class ServiceSync:
         told = state.claims_kept
         state.claims_kept = {message for _, reason, message in events if reason in ONCE_WHILE_IT_LASTS}
         return [e for e in events if e[1] not in ONCE_WHILE_IT_LASTS or e[2] not in told]
-
-    async def _reclaim(self, namespace: str) -> None:
-        """Delete the cache claims of `namespace` that claims.py says go now (created by the operator with
-        reclaimPolicy Delete, their creator gone, named by no InferenceService). Runs whenever a service's key
-        finds it gone (its deletion; at start, for a claim whose creator went while the operator was down)."""
-        for claim in reclaimable_in(self.store, namespace):
-            await self.client.delete(claim)  # uid precondition: never a newer claim of that name
-            self.store.delete(claim)
-            logger.info("[%s/%s] deleted cache claim (reclaimPolicy Delete; its creator is gone, no service names it)",
-                        namespace, claim["metadata"]["name"])  # fmt: skip
 
     def _found(self, key: Key, kind: str, name: str) -> dict[str, Any] | None:
         found = self.store.find(kind, key[0], name)
