@@ -36,6 +36,7 @@ from tidepool.operator.leader import LeaderElector, LeaseConfig
 from tidepool.operator.lora.client import HttpReplicaApi
 from tidepool.operator.lora.sync import LoraSync
 from tidepool.operator.metrics import LEADER
+from tidepool.operator.revision import Resolver
 
 logger = logging.getLogger("tidepool.operator")
 
@@ -60,6 +61,7 @@ class OperatorOptions:
     hf_download_image: str | None = None
     s3_download_image: str = _CLUSTER.s3_download_image
     metrics_port: int = 9090  # 0: no metrics endpoint
+    resolve_revisions: bool = True  # pin floating hf:// revisions to a commit per spec (operator/revision.py)
 
 
 @dataclass(slots=True)
@@ -116,6 +118,8 @@ async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
     pods_in = controller.store.pods_in
     autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
     controller.services.lora = LoraSync(HttpReplicaApi(http), client, lambda key: controller.queue.add(key))
+    if options.resolve_revisions:
+        controller.services.revisions = Resolver(client)  # its own client: follows redirects (renamed repos)
     elector = LeaderElector(client, options.lease) if options.lease else None
     if elector is not None:
         LEADER.labels(elector.config.name).set_function(lambda: float(elector.is_leader))

@@ -76,7 +76,8 @@ def desire(
     """The desired children and pool layouts of the object with metadata `meta`, owned by it; raises SpecError
     for a spec no cluster can run. `kinds`: each existing multi-node pool's workload kind, which it keeps."""
     name, namespace = meta["name"], meta["namespace"]
-    return desired_state(name, namespace, view, features, replicas, owner_reference(name, meta["uid"]), kinds)
+    owner = owner_reference(name, meta["uid"])
+    return desired_state(name, namespace, view, features, replicas, owner, kinds, meta.get("labels"))
 
 
 def contains(observed: Any, desired: Any, quantities: bool = False) -> bool:

@@ -17,7 +17,7 @@ from tidepool.operator.k8s import ApiError, KubeClient
 
 # The status fields reconcile owns; `autoscaling` belongs to the autoscaler and is never written here.
 OWNED_STATUS_KEYS = (
-    "observedGeneration", "conditions", "pools", "replicas", "selector", "url", "lora", "operatorDefaults",
+    "observedGeneration", "conditions", "pools", "replicas", "selector", "url", "lora", "operatorDefaults", "model",
 )  # fmt: skip
 
 
@@ -32,7 +32,7 @@ def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatu
     for pool in old.get("pools", {}):
         if pool not in new.get("pools", {}):
             patch.setdefault("pools", {})[pool] = None
-    for key in ("replicas", "selector", "url", "lora"):
+    for key in ("replicas", "selector", "url", "lora", "model"):
         if key in old and key not in new:
             patch[key] = None
     return patch
@@ -41,13 +41,13 @@ def status_patch(previous: InferenceServiceStatus, status: InferenceServiceStatu
 def is_routine(previous: InferenceServiceStatus, status: InferenceServiceStatus) -> bool:
     """True when only counts and condition messages differ: the same observedGeneration, URL, selector
     and pools, every condition with the same status, reason and observedGeneration, and every LoRA adapter
-    in the same state per pool. Such a change
+    in the same state per pool, and the same resolved model revision (status.model). Such a change
     may wait a moment (it is paced); anything else is a transition and is written at once."""
 
     def shape(s: InferenceServiceStatus) -> tuple[Any, ...]:
         conditions = sorted((c.type, c.status, c.reason, c.observed_generation) for c in s.conditions)
         adapters = [(a.name, a.state, [(p.pool, p.state) for p in a.pools]) for a in s.lora or []]
-        return s.observed_generation, s.url, s.selector, sorted(s.pools), conditions, adapters
+        return s.observed_generation, s.url, s.selector, sorted(s.pools), conditions, adapters, s.model
 
     return shape(previous) == shape(status)
 

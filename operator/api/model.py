@@ -47,7 +47,8 @@ class ModelCredentials(ApiModel):
             "environment variables through secretKeyRef: " + ", ".join(CREDENTIAL_KEYS) + ". HF_TOKEN authenticates "
             "to the Hugging Face Hub (gated and private models); HF_ENDPOINT points hf:// at a mirror; the AWS_* keys "
             "configure the aws CLI for s3:// (AWS_ENDPOINT_URL for S3-compatible stores such as MinIO). The engine "
-            "container never receives them, and the operator never reads the Secret (it needs no access to Secrets)."
+            "container never receives them; the operator reads only HF_ENDPOINT and HF_TOKEN, to pin a floating "
+            "spec.model.revision to its commit (never logged nor stored)."
         )
     )
 
@@ -66,7 +67,11 @@ class ModelSource(ApiModel):
         )
     )
     revision: ShortString | None = Field(
-        default=None, description="Hugging Face revision (branch, tag or commit) for hf:// URIs; unset means main."
+        default=None,
+        description=(
+            "Hugging Face revision (branch, tag or commit) for hf:// URIs; unset means main. A branch or tag is "
+            "resolved to its commit once per spec and every pod downloads that commit (status.model)."
+        ),
     )
     credentials: ModelCredentials | None = Field(
         default=None,

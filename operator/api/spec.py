@@ -25,7 +25,15 @@ from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.kube import LABEL_VALUE_RE
 from tidepool.operator.api.lora import LoraSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
-from tidepool.operator.api.pod import ContainerResources, NodeSelectorMap, PodOverrides, PoolPodOverrides, Toleration
+from tidepool.operator.api.pod import (
+    DEFAULT_ACCELERATOR,
+    Accelerator,
+    ContainerResources,
+    NodeSelectorMap,
+    PodOverrides,
+    PoolPodOverrides,
+    Toleration,
+)
 from tidepool.operator.api.types import IntOrPercent, Quantity
 
 POOL_UNIFIED = "unified"
@@ -310,6 +318,9 @@ class InferenceServiceSpec(ApiModel):
     engine: EngineSpec = Field(default_factory=EngineSpec, description="Engine settings.")
     parallelism: Parallelism = Field(default_factory=Parallelism, description="Parallelism of one replica.")
     resources: Resources = Field(default_factory=Resources, description="Resources of one replica.")
+    accelerator: Accelerator | None = Field(
+        default=None, description="The device-plugin resource the GPUs are requested as; unset: nvidia.com/gpu."
+    )
     mode: Mode = Field(default="unified", description="unified: one pool; disaggregated: prefill + decode pools.")
     pools: Pools = Field(
         default_factory=lambda: Pools(unified=PoolSpec()),
@@ -371,6 +382,10 @@ class InferenceServiceSpec(ApiModel):
     def pods_per_replica(self) -> int:
         """Pods one replica spans: one per pipeline stage (multi-node when > 1)."""
         return self.parallelism.pipeline
+
+    def accelerator_resource(self) -> str:
+        """The extended resource the engine pods request their GPUs as (spec.accelerator.resourceName)."""
+        return self.accelerator.resource_name if self.accelerator else DEFAULT_ACCELERATOR
 
     def gpus_per_pod(self) -> int:
         """GPUs requested by each pod of a replica (tensor-parallel degree; 0 when running on CPU)."""

@@ -154,6 +154,25 @@ class OperatorDefaults(StatusModel):
     )
 
 
+class ModelStatus(StatusModel):
+    """The commit a floating hf:// revision was resolved to, and what the resolution is valid for (revision.py)."""
+
+    repo: Annotated[str, StringConstraints(max_length=2048)] = Field(description="The hf:// repository (org/name).")
+    revision: Annotated[str, StringConstraints(max_length=256)] = Field(
+        description="The floating revision as the spec names it (main when unset)."
+    )
+    resolved_revision: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="The commit every pod of this spec downloads."
+    )
+    generation: int | None = Field(default=None, ge=0, description="metadata.generation it was resolved for.")
+    spec_key: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="Digest of the spec (replica counts left out) it was resolved for."
+    )
+    resolve_request: Annotated[str, StringConstraints(max_length=256)] | None = Field(
+        default=None, description="The tidepool.dev/resolve-revision annotation value it was resolved for."
+    )
+
+
 class InferenceServiceStatus(StatusModel):
     """Observed state of an InferenceService."""
 
@@ -193,6 +212,12 @@ class InferenceServiceStatus(StatusModel):
         default=None,
         description="The operator's default images this service was last rolled out with: an operator upgrade that "
         "changes them rolls the service through the operator's rollout budget (--max-concurrent-rollouts).",
+    )
+
+    model: ModelStatus | None = Field(
+        default=None,
+        description="spec.model's floating revision resolved to a commit, once per spec (unset for a commit, or "
+        "a model that is not hf://); annotate tidepool.dev/resolve-revision with a new value to resolve it again.",
     )
 
     def condition(self, type_: str) -> Condition | None:

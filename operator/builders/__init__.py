@@ -33,6 +33,8 @@ from .common import (
     ROUTER_POOL,
     WORKLOAD_KINDS,
     ClusterFeatures,
+    inherit_labels,
+    inherited_labels,
     selector_labels,
     spec_hash,
 )
@@ -147,19 +149,26 @@ def desired_state(
     replicas_by_pool: Mapping[str, int] | None = None,
     owner: Mapping[str, Any] | None = None,
     kinds: Mapping[str, str] | None = None,
+    service_labels: Mapping[str, str] | None = None,
 ) -> Desired:
     """Every child manifest of one InferenceService, in apply order, with the pools' layouts. Raises
     SpecError for a spec no cluster can run (e.g. more tensor ranks than a node has GPUs). `kinds`: the
-    multi-node workload kind each existing pool runs as, which it keeps (sticky; new pools get the cluster's)."""
+    multi-node workload kind each existing pool runs as, which it keeps (sticky; new pools get the cluster's).
+    `service_labels`: the InferenceService's metadata.labels, which every child inherits (common.inherited_labels)."""
     features = features or ClusterFeatures()
+    inherited = inherited_labels(dict(service_labels or {}))
     replicas = desired_replicas(view, replicas_by_pool)
     children: list[dict[str, Any]] = []
+    engine_workloads: list[dict[str, Any]] = []
     layouts = []
     for pool_name in view.pool_names:
         pool = view.pools[pool_name]
         pool_features = with_workload_kind(features, (kinds or {}).get(pool_name))
         topo = topology(view, pool_features)
         workloads = pool_workloads(view, pool, replicas[pool_name], name, namespace, pool_features)
+        for workload in workloads:  # before the layout reads their spec hash
+            inherit_labels(workload, inherited)
+        engine_workloads += workloads
         layouts.append(pool_layout(pool, replicas[pool_name], topo, workloads))
         children += workloads
         children.append(pool_service(name, namespace, pool_name, topo))
@@ -182,6 +191,9 @@ def desired_state(
     gateway_pool = inference_pool(name, namespace, view, features)
     if gateway_pool:
         children.append(gateway_pool)
+    for child in children:  # a cache claim may serve several services: it keeps the labels it was created with
+        if child["kind"] != "PersistentVolumeClaim" and not any(child is w for w in engine_workloads):
+            inherit_labels(child, inherited)
     if owner:
         for child in children:
             if child["kind"] != "PersistentVolumeClaim":  # a cache claim is never owned (claims.py): GC never takes it

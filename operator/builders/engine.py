@@ -177,13 +177,15 @@ def rank_env(service: str, namespace: str, pool: str, topo: Topology) -> dict[st
     return {}
 
 
-def _resources(pool: PoolView, topo: Topology) -> dict[str, Any]:
-    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form;
-    pod.resources then replaces entries per resource name (overrides.container_resources)."""
+def _resources(view: ServiceView, pool: PoolView, topo: Topology) -> dict[str, Any]:
+    """Requests = limits (Guaranteed QoS for the engine), quantities in the API server's canonical form; the
+    GPUs as spec.accelerator.resourceName; pod.resources then replaces entries per resource name
+    (overrides.container_resources)."""
     requests: dict[str, str] = {}
     limits: dict[str, str] = {}
     if topo.gpus_per_pod:
-        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(topo.gpus_per_pod)
+        gpu = view.spec.accelerator_resource()
+        requests[gpu] = limits[gpu] = str(topo.gpus_per_pod)
     for name, value in (("cpu", pool.resources.cpu), ("memory", pool.resources.memory)):
         if value is not None:
             requests[name] = limits[name] = canonical_quantity(value)
@@ -270,7 +272,7 @@ def engine_container(
         "args": args + api_key_args(view) + list(view.engine.extra_args),
         "env": sorted_env(env),
         "ports": ports,
-        "resources": container_resources(_resources(pool, topo), pool_pod(view, pool.name).resources),
+        "resources": container_resources(_resources(view, pool, topo), pool_pod(view, pool.name).resources),
         # Every rank answers these: node 0's API server, or a worker node's health endpoint (ranks > 0).
         "startupProbe": _probe("/health", PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _probe("/ready", 5, 3),
@@ -281,14 +283,22 @@ def engine_container(
     }
 
 
-def _placement(pod: PodOverrides, pool: PoolView, topo: Topology) -> dict[str, Any]:
-    """tolerations and nodeSelector: the pod overrides', plus the GPU taint's toleration and the GPU product."""
+def gpu_taint_keys(resource_name: str) -> list[str]:
+    """Taint keys GPU nodes of an accelerator commonly carry: `<domain>/gpu` (nvidia.com/gpu also on MIG nodes,
+    amd.com/gpu) and the resource name itself when it differs."""
+    domain_gpu = resource_name.split("/", 1)[0] + "/gpu"
+    return [domain_gpu] if resource_name == domain_gpu else [domain_gpu, resource_name]
+
+
+def _placement(view: ServiceView, pod: PodOverrides, pool: PoolView, topo: Topology) -> dict[str, Any]:
+    """tolerations and nodeSelector: the pod overrides', plus the GPU taints' tolerations and the GPU product."""
     tolerations = [t.to_wire() for t in pod.tolerations]
     node_selector = dict(pod.node_selector)
-    if topo.gpus_per_pod:  # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule
-        gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-        if not any(contains_toleration(t, gpu_taint) for t in tolerations):
-            tolerations.insert(0, gpu_taint)
+    if topo.gpus_per_pod:  # GPU nodes are commonly tainted <vendor>/gpu:NoSchedule
+        for key in reversed(gpu_taint_keys(view.spec.accelerator_resource())):
+            gpu_taint = {"key": key, "operator": "Exists", "effect": "NoSchedule"}
+            if not any(contains_toleration(t, gpu_taint) for t in tolerations):
+                tolerations.insert(0, gpu_taint)
         if pool.resources.gpu_product:
             node_selector.setdefault("nvidia.com/gpu.product", pool.resources.gpu_product)
     out: dict[str, Any] = {}
@@ -321,7 +331,7 @@ def pod_template(
         "initContainers": [s.init_container for s in sources[0] if s.init_container],
         "containers": [container],
         "volumes": volumes,
-        **_placement(pod, pool, topo),
+        **_placement(view, pod, pool, topo),
     }
     if pod.service_account_name:
         spec["serviceAccountName"] = pod.service_account_name
@@ -334,7 +344,8 @@ def pod_template(
         spec["subdomain"] = headless_name(name, pool.name)
     if not spec["initContainers"]:
         del spec["initContainers"]
-    template = {"metadata": {"labels": labels(name, pool.name, "engine"), "annotations": annotations}, "spec": spec}
+    pod_labels = {**pod.labels, **labels(name, pool.name, "engine")}  # the operator's keys win (and are refused)
+    template = {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": spec}
     template["metadata"]["labels"][LABEL_SPEC_HASH] = spec_hash(template)
     template["metadata"]["labels"] = dict(sorted(template["metadata"]["labels"].items()))
     template["metadata"]["annotations"] = dict(sorted(annotations.items()))

@@ -88,7 +88,9 @@ def test_wire_names_are_exactly_the_issues() -> None:
     assert set(wire["pod"]) == {
         "nodeSelector",
         "tolerations",
+        "labels",
         "annotations",
+        "resourceClaims",
         "serviceAccountName",
         "priorityClassName",
         "imagePullSecrets",

@@ -19,7 +19,51 @@ from pydantic import ValidationError
 from tidepool.operator.api import InferenceService, ServiceView, rules, types, validate_spec
 from tidepool.operator.builders import ClusterFeatures, desired_state
 
-VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS, *VALID_LORA_EDITS)
+# Real GPU fleets (#39 item 6): other vendors' and MIG resources, RDMA, DRA claims, Kueue labels, schedulers.
+VALID_FLEET_EDITS = (
+    ("accelerator-amd", set_path("spec.accelerator", {"resourceName": "amd.com/gpu"})),
+    (
+        "mig-and-rdma",
+        both(
+            set_path("spec.accelerator", {"resourceName": "nvidia.com/mig-1g.10gb"}),
+            set_path("spec.pod.resources", {"limits": {"rdma/hca": 1}}),
+            set_path(
+                "spec.pools.unified.pod",
+                {"resources": {"requests": {"example.com/fpga": 2}, "limits": {"example.com/fpga": "2"}}},
+            ),
+        ),
+    ),
+    (
+        "dra-claims",
+        both(
+            set_path(
+                "spec.pod.resourceClaims",
+                [
+                    {"name": "nic", "resourceClaimName": "shared-nic"},
+                    {"name": "gpus", "resourceClaimTemplateName": "t"},
+                ],
+            ),
+            set_path("spec.pod.resources", {"claims": [{"name": "nic"}]}),
+            set_path(
+                "spec.pools.unified.pod",
+                {
+                    "resourceClaims": [{"name": "extra", "resourceClaimTemplateName": "t2"}],
+                    "resources": {"claims": [{"name": "gpus", "request": "gpu"}, {"name": "extra"}]},
+                },
+            ),
+        ),
+    ),
+    (
+        "labels-and-scheduling",
+        both(
+            set_path("spec.pod.labels", {"kueue.x-k8s.io/queue-name": "team-a", "cost-center": "ml"}),
+            set_path("spec.pod.annotations", {"example.com/owner": "ml-platform"}),
+            set_path("spec.pod.schedulerName", "volcano"),
+            set_path("spec.pod.priorityClassName", "inference-high"),
+        ),
+    ),
+)
+VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS, *VALID_LORA_EDITS, *VALID_FLEET_EDITS)
 INVALID_CASES: tuple[Case, ...] = (
     *POD_CASES,
     *RESOURCE_CASES,
@@ -382,15 +426,117 @@ INVALID_CASES: tuple[Case, ...] = (
     Case(
         "resources-gpu",
         set_path("spec.pod.resources", {"limits": {"nvidia.com/gpu": 2}}),
+        rule_message("pod.resources must not set spec.accelerator.resourceName"),
+        "rule",
+    ),
+    Case(
+        "pool-resources-accelerator",
+        both(
+            set_path("spec.accelerator", {"resourceName": "amd.com/gpu"}),
+            set_path("spec.pools.unified.pod", {"resources": {"limits": {"amd.com/gpu": 4}}}),
+        ),
+        rule_message("pod.resources must not set spec.accelerator.resourceName"),
+        "rule",
+    ),
+    Case(
+        "router-resources-native-domain",
+        set_path("spec.router.resources", {"limits": {"example.kubernetes.io/x": 1}}),
         rule_message("pod.resources and router.resources may set only"),
         "rule",
     ),
     Case(
-        "router-resources-gpu",
-        set_path("spec.router.resources", {"requests": {"nvidia.com/gpu": 1}}),
+        "resources-not-a-name",
+        set_path("spec.pod.resources", {"limits": {"gpu": 1}}),
         rule_message("pod.resources and router.resources may set only"),
         "rule",
     ),
+    Case(
+        "extended-request-without-limit",
+        set_path("spec.pod.resources", {"requests": {"rdma/hca": 1}}),
+        rule_message("pod.resources: an extended resource"),
+        "rule",
+    ),
+    Case(
+        "extended-request-not-limit",
+        set_path("spec.pod.resources", {"requests": {"rdma/hca": 1}, "limits": {"rdma/hca": 2}}),
+        rule_message("pod.resources: an extended resource"),
+        "rule",
+    ),
+    Case(
+        "accelerator-native-domain",
+        set_path("spec.accelerator", {"resourceName": "kubernetes.io/gpu"}),
+        rule_message("accelerator.resourceName must be"),
+        "rule",
+    ),
+    Case(
+        "accelerator-not-prefixed",
+        set_path("spec.accelerator", {"resourceName": "gpu"}),
+        "should match",
+        "field",
+    ),
+    Case(
+        "claim-not-declared",
+        set_path("spec.pod.resources", {"claims": [{"name": "gpus"}]}),
+        rule_message("pod.resources.claims must name"),
+        "rule",
+    ),
+    Case(
+        "pool-claim-not-declared",
+        both(
+            set_path("spec.pod.resourceClaims", [{"name": "a", "resourceClaimTemplateName": "t"}]),
+            set_path("spec.pools.unified.pod", {"resources": {"claims": [{"name": "b"}]}}),
+        ),
+        rule_message("pod.resources.claims must name"),
+        "rule",
+    ),
+    Case(
+        "resource-claim-two-sources",
+        set_path(
+            "spec.pod.resourceClaims", [{"name": "a", "resourceClaimName": "c", "resourceClaimTemplateName": "t"}]
+        ),
+        rule_message("pod.resourceClaims entries need exactly one"),
+        "rule",
+    ),
+    Case(
+        "resource-claim-no-source",
+        set_path("spec.pod.resourceClaims", [{"name": "a"}]),
+        rule_message("pod.resourceClaims entries need exactly one"),
+        "rule",
+    ),
+    Case(
+        "resource-claims-unique",
+        set_path(
+            "spec.pod.resourceClaims",
+            [{"name": "a", "resourceClaimName": "c"}, {"name": "a", "resourceClaimTemplateName": "t"}],
+        ),
+        rule_message("pod.resourceClaims names must be unique"),
+        "rule",
+    ),
+    Case(
+        "label-selector-key",
+        set_path("spec.pod.labels", {"tidepool.dev/pool": "x"}),
+        rule_message("pod.labels must not set a label the operator sets"),
+        "rule",
+    ),
+    Case(
+        "label-recommended-key",
+        set_path("spec.pools.unified.pod", {"labels": {"app.kubernetes.io/instance": "other"}}),
+        rule_message("pod.labels must not set a label the operator sets"),
+        "rule",
+    ),
+    Case(
+        "label-key-invalid",
+        set_path("spec.pod.labels", {"-bad": "x"}),
+        rule_message("pod.labels keys must be label keys"),
+        "rule",
+    ),
+    Case(
+        "annotation-operator-prefix",
+        set_path("spec.pod.annotations", {"tidepool.dev/paused": "true"}),
+        rule_message("pod.annotations must not use the operator's prefix"),
+        "rule",
+    ),
+    Case("scheduler-name-invalid", set_path("spec.pod.schedulerName", "Volcano Scheduler"), "should match", "field"),
     Case(
         "host-network",
         set_path("spec.pod.hostNetwork", True),
