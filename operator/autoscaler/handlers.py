@@ -32,8 +32,9 @@ scale-down by at most its windows, never hasten one. Only the metrics windows li
 resourceVersion it was computed from.
 
 Events: `Scaled` (active) and `AdvisoryScale` (advisory) are posted when the decision scales and its
-desired replicas differ from those status held, i.e. on change, never per tick; each reason is one
-aggregated Event per service (`DECISION_EVENT_KEY`, see operator/events.py), updated in place.
+desired replicas differ from those status held, i.e. on change, never per tick; AdvisoryScale is one
+aggregated Event per service (`DECISION_EVENT_KEY`, see operator/events.py), updated in place; Scaled is one
+per transition (its message's "<pool> <from>-><to>"), so what was done stays in the history.
 
 Environment: TIDEPOOL_METRICS_SOURCE_URL_TEMPLATE (synthetic feed, see collector.UrlTemplateSource),
 else TIDEPOOL_PROMETHEUS_URL (a Prometheus server's /federate), else the ready pods in the
@@ -357,4 +358,8 @@ class Autoscaler:
         if decision.is_scaling and is_news:
             reason = "AdvisoryScale" if decision.is_advisory else "Scaled"
             logger.info("[%s/%s] %s: %s", namespace, name, reason, decision.reason)
-            await self.event(body, "Normal", reason, decision.reason[:1000], DECISION_EVENT_KEY)
+            # Advisory: one Event per service, updated in place (nothing acts on it, so only the latest matters).
+            # Active: one per transition ("unified 1->2"), as the HPA's per-size events: the history of what was
+            # done stays readable, and flapping between the same sizes counts up instead of adding objects.
+            key = DECISION_EVENT_KEY if decision.is_advisory else decision.reason.split(":", 1)[0]
+            await self.event(body, "Normal", reason, decision.reason[:1000], key)

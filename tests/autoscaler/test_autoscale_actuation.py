@@ -196,16 +196,25 @@ def isvc(mode: str = "active", enabled: bool = True) -> dict:
     return {"metadata": {"namespace": "ns", "name": "svc", "resourceVersion": "1"}, "spec": spec, "status": {}}
 
 
+class Recorded(list[tuple[str, str]]):
+    """The (reason, message) of each Event posted, and the aggregation key each was posted under (`keys`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[str | None] = []
+
+
 def run_ticks(
     body: dict, kv: float, pods=(), ticks: int = 2, start: float = 1_000_000.0, step: float = 15.0, num_pods: int = 2
 ):
     """Ticks of one Autoscaler on a fake clock; returns (final body, the fake client, the events)."""
     kube = FakeKube(body)
-    events: list[tuple[str, str]] = []
+    events = Recorded()
     now = [start]
 
     async def event(obj: Any, type_: str, reason: str, message: str, key: str | None = None) -> None:
         events.append((reason, message))
+        events.keys.append(key)
 
     auto = handlers.Autoscaler(
         kube,
@@ -228,6 +237,9 @@ def test_active_mode_records_the_replicas_for_the_reconcile():
     replicas, limited = applied(body)
     assert replicas == {"unified": 4} and limited is None  # kv 0.9 / 0.5 on 2 pods
     assert [e[0] for e in events] == ["Scaled"]
+    # an active scaling is its own Event per transition (history kept), not the service's one advisory Event
+    assert events.keys == [events[0][1].split(":", 1)[0]]
+    assert events.keys[0].startswith("unified ") and "->" in events.keys[0]
     assert kube.patches[0]["autoscaling"]["lastScaleTime"]  # the tick that scaled
     status = body["status"]["autoscaling"]
     assert status["mode"] == "active"
