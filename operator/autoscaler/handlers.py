@@ -73,7 +73,7 @@ READY = Gauge(
     "tidepool_autoscaler_ready_replicas", "Ready replicas when deciding (status.pools)", ["namespace", "name", "pool"]
 )
 MAX_RECOMMENDATIONS = 64
-# The autoscaler's decision Events group under this key: one Event per reason per service, updated in place.
+# AdvisoryScale Events group under this key: one per service, updated in place (Scaled: one per transition).
 DECISION_EVENT_KEY = "decision"
 logger = logging.getLogger("tidepool.operator.autoscaler")
 
