@@ -99,3 +99,9 @@ LORA_REQUESTS = "tidepool:lora_requests"  # counter (`_total`): engine requests 
 LORA_ADAPTER_LABEL = "adapter"
 LORA_ADAPTERS_LOADED = "tidepool:lora_adapters_loaded"  # gauge (model_name only): adapters registered now
 LORA_FAMILIES = (LORA_REQUESTS_INFO, sample_total(LORA_REQUESTS), LORA_ADAPTERS_LOADED)
+
+# Sleep mode (issue #43; contract/sleep.py); exported only by an engine started with --enable-sleep-mode, as in
+# vLLM: one sample per SLEEP_STATE_LABEL value ("awake", "weights_offloaded", "discard_all"), 1 for the current
+# state and 0 for the others, with MODEL_NAME_LABEL (vLLM adds its `engine` index; one engine here, no label).
+ENGINE_SLEEP_STATE = "vllm:engine_sleep_state"
+SLEEP_STATE_LABEL = "sleep_state"

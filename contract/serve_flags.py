@@ -199,6 +199,9 @@ SERVE_FLAGS: tuple[ServeFlag, ...] = (
     ServeFlag("drain-timeout", "float", 30.0, "seconds in-flight requests get to finish after SIGTERM",
               group="server", managed=True),
     ServeFlag("access-log", "switch", False, "log every HTTP request", group="server"),
+    ServeFlag("enable-sleep-mode", "switch", False, "serve vLLM's POST /sleep?level=1|2, POST /wake_up and GET "
+              "/is_sleeping (an idle engine releases its KV cache, and at level 2 its weights; contract/sleep.py)",
+              group="server", managed=True),
     ServeFlag("enable-auto-tool-choice", "switch", False, 'allow tool_choice "auto" (the default with tools): '
               "the output is parsed for calls by --tool-call-parser", group="server"),
     ServeFlag("tool-call-parser", "str", None, "the format the model writes tool calls in (vLLM's names): hermes "

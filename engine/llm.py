@@ -5,6 +5,7 @@ nothing runs), fans `n > 1` out into n sequences (seeded ones get seeds seed, se
 the n completions differ but stay reproducible), steps the engine until all are done and
 returns results in input order. `lora_request` (vLLM's): one `LoRARequest` for every prompt or one per
 prompt (None: the base model); an adapter not yet registered is read from its path and registered first.
+`sleep(level)` / `wake_up()` / `is_sleeping()` are vLLM's sleep mode (engine/sleep.py); `generate` refuses while asleep.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .llm_engine import LLMEngine
 from .lora.types import LoRAError, LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .sleep import EngineSleeper
 from .tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -35,6 +37,22 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._counter = itertools.count()
+        self._sleeper: EngineSleeper | None = None
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1; the weights stay in host memory) and at level 2 the weights, until
+        `wake_up()`; the prefix cache is emptied."""
+        if self._sleeper is None:
+            self._sleeper = EngineSleeper(self.engine)
+        self._sleeper.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Back to serving (vLLM's `tags`, "weights" or "kv_cache", are accepted; the engine wakes whole)."""
+        if self._sleeper is not None:
+            self._sleeper.wake()
+
+    def is_sleeping(self) -> bool:
+        return self._sleeper is not None and self._sleeper.is_sleeping
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -46,6 +64,8 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() first")
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         lora_names = self._lora_names(lora_request, len(prompt_list))

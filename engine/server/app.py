@@ -4,7 +4,8 @@ Role: the HTTP surface, registered by family: probes (`/health` liveness, `/read
 `/metrics`, `/version`), what the server holds (`/v1/models`: the base model and its LoRA
 adapters; `/debug/kv`) and the gated API calls (`/v1/completions`, `/v1/chat/completions`, vLLM's
 `/tokenize` and `/detokenize`, see tokenization.py; with --allow-runtime-lora-updating vLLM's
-`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, see lora_admin.py). What the routes share
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, see lora_admin.py; with --enable-sleep-mode vLLM's
+`/sleep`, `/wake_up` and `/is_sleeping`, see sleep.py). What the routes share
 is a `ServerState` (state.py).
 
 Lifecycle: the app answers at once; the model loads in a background thread (then --lora-modules;
@@ -44,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidepool.common.api_key import ApiKeyMiddleware, ApiKeys
 
-from . import lora_admin, tokenization
+from . import lora_admin, sleep, tokenization
 from .async_engine import AsyncEngine, ShutdownError
 from .gate import RequestGate, error_bytes
 from .logprobs import LogprobFormatter
@@ -76,6 +77,8 @@ def build_app(config: ServerConfig, api_keys: ApiKeys | None = None) -> FastAPI:
     _add_api_routes(app, state)
     if config.allow_runtime_lora_updating:
         _add_lora_routes(app, state)
+    if config.enable_sleep_mode:
+        sleep.add_routes(app, state)
     return app
 
 
@@ -229,6 +232,8 @@ def _load(state: ServerState, loop: asyncio.AbstractEventLoop) -> None:
         async_engine.metrics = EngineMetrics(config.model_name, info.max_model_len, info.max_num_batched_tokens,
                                              info.cache_config)  # fmt: skip
         async_engine.metrics.record_startup(engine.startup_phases)
+        if state.sleep is not None:
+            state.sleep.export_to(async_engine.metrics.registry, config.model_name)
         registry = engine.lora
         register = registry.register if registry is not None else None
         lora_admin.load_modules(register, info.load_lora, config.lora_modules)  # before the server is ready

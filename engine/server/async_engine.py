@@ -10,7 +10,7 @@ Invariants:
   thread touches the stream table. The HTTP side reads the engine's facts from `info`, a frozen
   `EngineInfo` built before the thread starts.
 - Commands (commands.py: `AddRequests`, `AbortRequests`, `StopEngine`, `RegisterAdapter`,
-  `UnregisterAdapter`) are applied in the order they were submitted, so an abort never overtakes
+  `UnregisterAdapter`, `CallEngine`) are applied in the order they were submitted, so an abort never overtakes
   the add it cancels, and an add put after an unregister is refused (404). The registry's commands
   are answered through their future; the file I/O of an adapter load happens before, off this
   thread (server/lora_admin.py), so no step ever waits for a disk.
@@ -23,7 +23,8 @@ Invariants:
   escapes the engine is fatal: every stream gets
   `EngineDeadError`, `on_dead` is called (the server then exits non-zero) and liveness turns false.
 - `abort_all(error)` (shutdown) aborts every engine request and makes every later `add` and
-  every `guard`ed wait raise that error, so no request outlives a shutdown unanswered.
+  every `guard`ed wait raise that error, so no request outlives a shutdown unanswered; sleep mode
+  (server/sleep.py) aborts with `final=False` and sets `paused_error`, which `add` raises until it wakes.
 - On `stop()` every unfinished request is aborted, so the KV block pool ends fully free, and
   the engine's background resources are closed on its own thread.
 """
@@ -42,6 +43,7 @@ from ..llm_engine import LLMEngine
 from ..lora.types import LoRAError
 from ..outputs import RequestOutput
 from ..stats import EngineStats
+from . import commands as cmd
 from .commands import AbortRequests, AddRequests, Child, EngineCommand, RegisterAdapter, StopEngine, UnregisterAdapter
 from .engine_info import EngineInfo
 from .metrics import EngineMetrics
@@ -122,6 +124,7 @@ class AsyncEngine:
         self.stats: EngineStats = engine.get_stats()  # replaced (never mutated) by the engine thread
         self.error: BaseException | None = None
         self.shutdown_error: ShutdownError | None = None
+        self.paused_error: ShutdownError | None = None  # set while asleep (server/sleep.py): `add` raises it
         self.on_dead: Callable[[], None] | None = None  # called on the event loop once the engine thread died
         self._inbox: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -154,8 +157,8 @@ class AsyncEngine:
         return len(self._streams)
 
     def add(self, children: list[Child], arrival_time: float) -> RequestStream:
-        if self.shutdown_error is not None:
-            raise self.shutdown_error
+        if self.shutdown_error is not None or self.paused_error is not None:
+            raise self.shutdown_error or self.paused_error  # type: ignore[misc]
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         with self._lock:
@@ -173,15 +176,16 @@ class AsyncEngine:
         if request_ids:
             self._inbox.put(AbortRequests(list(request_ids)))
 
-    def abort_all(self, error: ShutdownError) -> None:
-        """Shutdown: abort every engine request, telling its stream why, and refuse and interrupt the rest."""
-        self.shutdown_error = error
-        self._shutdown.set()
+    def abort_all(self, error: ShutdownError, final: bool = True) -> None:
+        """Shutdown: abort every engine request, telling its stream why, and (`final`) refuse and interrupt the rest."""
+        if final:
+            self.shutdown_error = error
+            self._shutdown.set()
         for stream in set(self._streams.values()):
             stream.shutdown_error = error
         self._inbox.put(AbortRequests(list(self._streams)))
 
-    async def ask(self, command: RegisterAdapter | UnregisterAdapter) -> Any:
+    async def ask(self, command: RegisterAdapter | UnregisterAdapter | cmd.CallEngine) -> Any:
         """Apply an adapter-registry command on the engine thread: its answer, or its `LoRAError` raised."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
@@ -253,7 +257,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
         for command in commands:
-            if isinstance(command, RegisterAdapter | UnregisterAdapter):
+            if isinstance(command, RegisterAdapter | UnregisterAdapter | cmd.CallEngine):
                 _answer(command.reply, error=EngineDeadError("the engine stopped before applying the command"))
 
     def _loop_forever(self) -> None:
@@ -274,7 +278,7 @@ class AsyncEngine:
                         self._add(children, arrival_time, results, outputs)
                     case AbortRequests(request_ids):
                         outputs.extend(engine.abort_request(request_ids))
-                    case RegisterAdapter() | UnregisterAdapter():
+                    case RegisterAdapter() | UnregisterAdapter() | cmd.CallEngine():
                         self._apply_registry(command)
                     case _:
                         assert_never(command)
@@ -332,16 +336,18 @@ class AsyncEngine:
         if self.metrics is not None and self.metrics.lora is not None:
             self.metrics.lora.count_requests(children)
 
-    def _apply_registry(self, command: RegisterAdapter | UnregisterAdapter) -> None:
-        """A registry command, answered through its future; a refusal (LoRAError) is the caller's answer alone."""
+    def _apply_registry(self, command: RegisterAdapter | UnregisterAdapter | cmd.CallEngine) -> None:
+        """A registry command or a `CallEngine`, answered through its future; a refusal is the caller's answer alone."""
         registry = self._engine.lora  # never None here: the server sends these only with --enable-lora
         try:
-            if isinstance(command, RegisterAdapter):
-                result: Any = registry.register(command.adapter)  # type: ignore[union-attr]
+            if isinstance(command, cmd.CallEngine):
+                result: Any = command.fn(self._engine)
+            elif isinstance(command, RegisterAdapter):
+                result = registry.register(command.adapter)  # type: ignore[union-attr]
             else:
                 result = registry.unregister(command.name)  # type: ignore[union-attr]
         except Exception as err:  # the registry refused (LoRAError) or failed on this adapter alone
-            if not isinstance(err, LoRAError):
+            if not isinstance(err, LoRAError) and not isinstance(command, cmd.CallEngine):  # its caller reports it
                 logger.exception("the adapter registry failed on a %s", type(command).__name__)
             _answer(command.reply, error=err)
             return

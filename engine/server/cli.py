@@ -94,6 +94,8 @@ def _server_config(args: argparse.Namespace) -> Any:
     check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)  # a bad name exits 2 before loading
     model_name = args.served_model_name or args.model
     _check_lora_flags(args)
+    if args.enable_sleep_mode and args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        raise ValueError("--enable-sleep-mode: not supported with tensor or pipeline parallelism (several ranks)")
     return ServerConfig(
         engine=engine_config(args),
         model_name=model_name,
@@ -106,6 +108,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         tool_call_parser=args.tool_call_parser,
         lora_modules=parse_lora_modules(args.lora_modules, [model_name, args.model]),  # a bad one exits 2 here
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        enable_sleep_mode=args.enable_sleep_mode,
     )
 
 

@@ -1,7 +1,8 @@
 """The commands the event loop sends the engine thread, and the engine requests they carry.
 
 Role: the vocabulary of `AsyncEngine`'s inbox. The HTTP side puts one command per call
-(`add`, `abort`, `abort_all`, `stop`, and LoRA's `register_adapter` / `unregister_adapter`); the
+(`add`, `abort`, `abort_all`, `stop`, LoRA's `register_adapter` / `unregister_adapter`, and `CallEngine` for
+sleep mode's sleep and wake, server/sleep.py); the
 engine thread drains the inbox before each step and applies the commands by type, in the order
 they were put.
 
@@ -9,21 +10,23 @@ Invariants:
 - Commands are frozen, and what they carry is handed over: a `Child` is complete (grammar and
   KV transfer attached) before it is put, and the event-loop side never changes it afterwards.
 - `EngineCommand` is every command there is; the engine thread matches it exhaustively.
-- A command with a `reply` (the adapter registry's) gets exactly one answer: its result, its
+- A command with a `reply` (the adapter registry's, `CallEngine`) gets exactly one answer: its result, its
   `LoRAError`, or `EngineDeadError` when the engine thread ends before applying it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..kv_transfer import KVPayload, ProducerParams
 from ..sampling_params import SamplingParams
 from ..structured_outputs import Grammar
 
 if TYPE_CHECKING:
+    from ..llm_engine import LLMEngine
     from ..lora.peft import LoadedAdapter
     from ..lora.types import AdapterInfo
 
@@ -76,4 +79,13 @@ class UnregisterAdapter:
     reply: Future[None]
 
 
-EngineCommand = AddRequests | AbortRequests | StopEngine | RegisterAdapter | UnregisterAdapter
+@dataclass(frozen=True, slots=True)
+class CallEngine:
+    """Run `fn(engine)` on the engine thread between two steps (sleep mode: server/sleep.py); its result, or what
+    it raised, is the reply."""
+
+    fn: Callable[[LLMEngine], Any]
+    reply: Future[Any]
+
+
+EngineCommand = AddRequests | AbortRequests | StopEngine | RegisterAdapter | UnregisterAdapter | CallEngine

@@ -20,6 +20,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tidepool.contract.serve_flags import flag_default
 
@@ -28,6 +29,9 @@ from .async_engine import AsyncEngine
 from .lora_modules import LoRAModule
 from .metrics import EngineMetrics
 from .serving import Serving
+
+if TYPE_CHECKING:
+    from .sleep import SleepControl
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class ServerConfig:
     tool_call_parser: str | None = flag_default("tool-call-parser")  # the model's tool-call format (tools/parsers.py)
     lora_modules: list[LoRAModule] = field(default_factory=list)  # adapters loaded before the server is ready
     allow_runtime_lora_updating: bool = flag_default("allow-runtime-lora-updating")  # load/unload endpoints
+    enable_sleep_mode: bool = flag_default("enable-sleep-mode")  # vLLM's /sleep, /wake_up, /is_sleeping (sleep.py)
 
 
 @dataclass(slots=True)
@@ -55,6 +60,7 @@ class ServerState:
     engine: AsyncEngine | None = None
     serving: Serving | None = None
     metrics: EngineMetrics | None = None
+    sleep: SleepControl | None = None  # with --enable-sleep-mode (sleep.py); asleep, /ready stays true
     load_error: BaseException | None = None
     is_draining: bool = False
     num_inflight: int = 0  # API requests with a complete body, until their last byte is sent
