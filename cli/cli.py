@@ -76,6 +76,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "download": ("tidepool.engine.download.cli", "fetch an hf:// model into a folder (engine pods' init step)"),
     "quantize": ("tidepool.engine.quant.cli", "write an int8/int4 weight-only quantized copy of a model"),
     "sparsify": ("tidepool.engine.sparsity.cli", "write a 2:4-sparse copy of a model (wanda, sparsegpt, magnitude)"),
+    "build-ops": ("tidepool.engine.cpu_ops.build_ops", "build the CPU ops ahead of time for an image's ISAs"),
     "crds": ("tidepool.operator.crdgen", "write the CustomResourceDefinitions generated from the API models"),
     "operator": ("tidepool.operator.main", "run the Kubernetes operator (kopf)"),
 }

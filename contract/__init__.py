@@ -10,6 +10,8 @@ its environment names with the operator's builders. Modules:
 - `catalogue`: the `tidepool pull` catalogue (catalogue:// model URIs).
 - `lora`: the `lora_path` source URIs the operator sends and the engine fetches (hf://org/name[@rev]).
 - `wire`: the multi-node control channel's frames (typed, versioned, no pickle), handshake and key file.
+- `sleep`: vLLM's sleep-mode endpoints (paths, levels, wake tags, the `sleeping` error code, the gauge's states).
+- `cpu_ops`: the prebuilt CPU ops' directory variable, ISA names and log lines (engine, images, dev cluster).
 
 Invariant: standard library only, no import side effects (tests/test_architecture.py checks both),
 so the operator image, which has no torch, can import all of it.

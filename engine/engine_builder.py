@@ -157,11 +157,11 @@ def _load(
 
 
 def _loads_in_place(config: EngineConfig, rc: ResolvedConfig) -> bool:
-    """A dense GGUF model for this process's CPU runner, which will not re-lay its weights out (the compiled
-    GEMV reads them as loaded): load it straight into the runner's huge-page arena (`loading.loader`), one
-    write per weight instead of a load and a copy."""
-    dense_gguf = config.quantization is None and detect_format(config.model).name == "gguf"
-    return rc.device.type == "cpu" and dense_gguf and uses_compiled_gemv()
+    """A dense model (GGUF file or Hugging Face folder) for this process's CPU runner, which will not re-lay its
+    weights out (the compiled GEMV reads them as loaded): load it straight into the runner's huge-page arena
+    (`loading.loader`), one write per weight instead of a load and a copy."""
+    dense = config.quantization is None and detect_format(config.model).name in ("gguf", "hf")
+    return rc.device.type == "cpu" and dense and uses_compiled_gemv()
 
 
 def size_kv_cache(config: EngineConfig, rc: ResolvedConfig, model_config: ModelConfig, kv_config: ModelConfig) -> int:

@@ -16,6 +16,9 @@
   tidepool-operator` in namespaces labelled `tidepool.dev/dev-env=enabled`, as PersistentVolumeClaims
   bound to read-only hostPath PersistentVolumes (PVC volumes are allowed by Pod Security "restricted";
   hostPath volumes are not), so the operator's builders stay untouched and pods stay restricted.
+  The compiled CPU ops are prebuilt on the host for its CPU (`tidepool build-ops --isa auto`, into
+  `$TIDEPOOL_CACHE/cpu-ops-prebuilt/<venv key>`), mounted the same way and named by TIDEPOOL_CPU_OPS_DIR,
+  which the policy sets on the containers: the pods load them as from an engine image and never compile.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from __future__ import annotations
 import ast
 import base64
 import copy
+import hashlib
 import json
 import os
 import re
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +39,15 @@ from typing import Any
 import yaml
 from devcluster_pki import Pki, sign
 
+from tidepool.contract.cpu_ops import PREBUILT_DIR_ENV  # stdlib only: the dev cluster's tools stay torch-free
+
 LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 DEV_ENV_LABEL = ("tidepool.dev/dev-env", "enabled")
 DEV_ENV_POLICY = "tidepool-dev-env"
 MODELS_CLAIM = "tidepool-dev-models"
 MANAGED_BY = ("app.kubernetes.io/managed-by", "tidepool-operator")
+CPU_OPS_CLAIM = "tidepool-dev-cpu-ops"
+BUILD_OPS_TIMEOUT_S = 1800  # 7 ops on a busy 2-core machine take minutes; cached afterwards
 
 
 def manifests_dir(bin_dir: Path) -> Path:
@@ -191,7 +200,21 @@ class DevEnv:
             mounts["tidepool-dev-src"] = str(clone)
         if not str(prefix).startswith("/usr"):
             mounts["tidepool-dev-python"] = str(prefix)
+        mounts[CPU_OPS_CLAIM] = str(prebuild_cpu_ops(venv))
         return cls(mounts)
+
+
+def prebuild_cpu_ops(venv: Path) -> Path:
+    """Build the CPU ops for this host's CPU with the venv's `tidepool build-ops` (incremental: seconds when
+    nothing changed) into a directory of the host's cache keyed on the venv; returns it. RuntimeError with the
+    command's output when the build fails (the tier's pods would otherwise compile at start)."""
+    cache = Path(os.environ.get("TIDEPOOL_CACHE", Path.home() / ".cache" / "tidepool")).expanduser()
+    out = cache / "cpu-ops-prebuilt" / hashlib.sha256(str(venv).encode()).hexdigest()[:12]
+    cmd = [str(venv / "bin" / "tidepool"), "build-ops", "--isa", "auto", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_OPS_TIMEOUT_S, cwd="/tmp", check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return out  # world-readable (build-ops' modes): the pods' non-root uid reads it through the mount
 
 
 def editable_source(venv: Path) -> Path | None:
@@ -215,7 +238,10 @@ def dev_env_policy(env: DevEnv) -> list[dict[str, Any]]:
         f'Object.spec.containers.volumeMounts{{name: "{c}", mountPath: "{p}", readOnly: true}}'
         for c, p in sorted(env.mounts.items())
     )
-    per_container = f"Object.spec.containers{{name: c.name, volumeMounts: [{mounts}]}}"
+    env_vars = ""
+    if ops_dir := env.mounts.get(CPU_OPS_CLAIM):  # named as an engine image names its prebuilt ops
+        env_vars = f', env: [Object.spec.containers.env{{name: "{PREBUILT_DIR_ENV}", value: "{ops_dir}"}}]'
+    per_container = f"Object.spec.containers{{name: c.name, volumeMounts: [{mounts}]{env_vars}}}"
     expression = (
         f"Object{{spec: Object.spec{{volumes: [{volumes}], "
         f"containers: object.spec.containers.map(c, {per_container})}}}}"

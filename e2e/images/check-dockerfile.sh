@@ -7,8 +7,8 @@
 # There is no registry to pull python:3.11-slim from, so the first FROM is replaced (`buildah bud --from`)
 # by a local stand-in built from Debian's packages (e2e/images/build.py python-standin: python3.11 + pip,
 # and, like the official image, no compiler). Checked in each image: `tidepool <cmd> --help` answers; in
-# the engine image also `cc` and `g++` (Triton's launcher and C++ ops are compiled at first use) and
-# `import torch, triton`. The engine build downloads PyTorch with its CUDA libraries from PyPI (GBs).
+# the engine image also `cc` and `g++` (Triton's launcher is compiled at first use), `import torch, triton`
+# and that every CPU op loads prebuilt (`tidepool build-ops` at image build) for this machine's CPU. The engine build downloads PyTorch with its CUDA libraries from PyPI (GBs).
 # RUN steps see the host's CA bundle ($SSL_CERT_FILE, else Debian's) at Debian's bundle path, so pip in
 # the build trusts what pip on the host trusts (e.g. a TLS-inspecting proxy); nothing of it is copied
 # into the image.
@@ -69,6 +69,12 @@ for target in "${targets[@]}"; do
   if [[ "$target" == engine ]]; then
     run_as_pod "$image" sh -c 'cc --version | head -n1 && g++ --version | head -n1 && id && touch /probe 2>&1 | tail -n1'
     run_as_pod "$image" python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+    # the prebuilt CPU ops: every op has a library for the best ISA this CPU runs, loaded without compiling
+    run_as_pod "$image" python -c 'import sys
+from tidepool.engine.cpu_ops import build_ops, prebuilt
+for op in build_ops.op_names():
+    lib, why = prebuilt.find_prebuilt(op)
+    sys.exit(f"{op}: {why}") if lib is None else print(op, lib.prebuilt, lib.path)'
   fi
 done
 echo "== all checks passed"

@@ -37,6 +37,10 @@ Which path runs is decided once per process and op, on first use (the engine's w
     TIDEPOOL_CPU_LORA=auto|torch|compiled  the same for the multi-LoRA apply (`lora.py` binds `lora.cpp`;
                                     `engine/lora/ops.py` calls it; torch: kernels.lora_ref)
 
+Prebuilt first: where `TIDEPOOL_CPU_OPS_DIR` names a directory `tidepool build-ops` wrote (an engine image
+carries one), the library for the best ISA this CPU runs is loaded from it and nothing is compiled
+(prebuilt.py; it logs which variant once); otherwise, or where it has nothing for this CPU and process,
+the op is built here as below, said once (a WARNING when a directory was named).
 `CXX` picks the compiler; `TIDEPOOL_CACHE` moves the cache (default ~/.cache/tidepool).
 `TIDEPOOL_CPU_VECTOR_WIDTH=auto|8|16` sets the SIMD width the ops are built with (`vec.h`; auto: 16 floats
 where the CPU has AVX-512, else 8); `TIDEPOOL_CPU_PREFETCH_BYTES=auto|off|<bytes>` how far ahead the
@@ -53,7 +57,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from .build import BuildUnavailable, build_library
+from . import prebuilt
+from .build import BuildUnavailable
 from .decoder import CpuDecoder
 from .fused import CpuFused
 from .gemv import CpuGemv
@@ -149,6 +154,7 @@ def reset() -> None:
     """Forget the decisions so the next call re-reads the environment (tests, benchmarks)."""
     with _lock:
         _resolved.clear()
+    prebuilt.reset()
 
 
 def _op(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> Op | None:
@@ -168,7 +174,7 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
         logger.info("%s: torch path (%s=torch)", label, env)
         return None
     try:
-        built = build_library(name, f"{name}.cpp")
+        built = prebuilt.obtain_library(name)
         op = factory(built.path)
     except (BuildUnavailable, OSError, RuntimeError) as err:
         if mode == "compiled":
@@ -176,7 +182,7 @@ def _resolve(label: str, env: str, name: str, factory: Callable[[Path], Op]) -> 
         logger.warning("%s: torch path, the compiled op is unavailable (%s)", label, err)
         return None
     threads = "OpenMP, torch's thread pool" if op.has_openmp else "single-threaded: no OpenMP runtime in torch"
-    action = "built" if built.built_now else "cached"
+    action = f"prebuilt {built.prebuilt}" if built.prebuilt else "built" if built.built_now else "cached"
     ahead = built.prefetch_bytes
     prefetch = f"weight prefetch {ahead} B ahead" if ahead >= 0 else "no weight prefetch"
     prefetch += f", prefetches into {built.prefetch_cache.upper()}"

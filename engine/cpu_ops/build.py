@@ -30,6 +30,9 @@ runtime linked. Invariants:
   `TIDEPOOL_CPU_PREFETCH_CACHE=l1` prefetches into L1 as well (a -D flag, as above); the library
   reports it (`tp_prefetch_locality`: 2 for L2, 3 for L1).
 - Every library reports whether it runs OpenMP (`tp_has_openmp`); `open_library` opens one for its binding.
+- Ahead of time (`build_for_target`, for `tidepool build-ops`, build_ops.py): the same flags with a fixed
+  `-march` level instead of `-march=native`, no cache, no lock (build_ops.py locks its directory); the
+  engine looks there first (prebuilt.py) and comes here only when it has nothing for this CPU and process.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class BuiltLibrary:
     built_now: bool  # False: an earlier build (this or another process) was reused
     has_openmp: bool
     flags: tuple[str, ...]
+    prebuilt: str | None = None  # the ISA variant of a prebuilt library (prebuilt.py); None: built here
 
     def _reported(self, symbol: str) -> int:
         """A build setting the library reports about itself (vec.h's `tp_*` exports)."""
@@ -236,9 +240,7 @@ def build_library(name: str, source: str) -> BuiltLibrary:
     cxx = find_compiler()
     cxx_version = _compiler_version(cxx)
     cpu = _cpu_identity()
-    if not (SOURCE_DIR / source).is_file():
-        raise BuildUnavailable(f"C++ source missing from the installed package: {SOURCE_DIR / source}")
-    sources = (SOURCE_DIR / source, *sorted(SOURCE_DIR.glob("*.h")))
+    sources = op_sources(source)
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     failures: list[Path] = []
@@ -251,6 +253,42 @@ def build_library(name: str, source: str) -> BuiltLibrary:
         return BuiltLibrary(target, built_now, has_openmp, recipe.compile_flags)
     logs = ", ".join(map(str, failures))
     raise BuildUnavailable(f"the C++ build failed with {cxx}; compiler output in {logs} (delete to retry)")
+
+
+def op_sources(source: str) -> tuple[Path, ...]:
+    """The files a build of `SOURCE_DIR/source` reads: the source, then every header beside it (sorted)."""
+    if not (SOURCE_DIR / source).is_file():
+        raise BuildUnavailable(f"C++ source missing from the installed package: {SOURCE_DIR / source}")
+    return (SOURCE_DIR / source, *sorted(SOURCE_DIR.glob("*.h")))
+
+
+def sources_digest(source: str) -> str:
+    """A hash of what `op_sources(source)` holds (names and bytes): a prebuilt library is for these sources."""
+    digest = hashlib.sha256()
+    for path in op_sources(source):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def build_for_target(source: str, march: tuple[str, ...], target: Path) -> BuiltLibrary:
+    """Build `source` for the CPUs `march` selects (not this one's) into `target`, replacing it atomically:
+    with torch's OpenMP runtime where torch has one, else serial. BuildUnavailable, with the compiler's
+    output, when neither builds. Used ahead of time (prebuilt.py); nothing is cached or loaded here."""
+    cxx = find_compiler()
+    sources = op_sources(source)
+    omp = torch_openmp_runtime()
+    flags = (*_BASE_FLAGS, *define_flags(), *march)
+    attempts: list[tuple[_Recipe, bool]] = []
+    if omp is not None:
+        link = (str(omp), f"-Wl,-rpath,{omp.parent}")
+        attempts.append((_Recipe(cxx, sources, (*flags, "-fopenmp"), link), True))
+    attempts.append((_Recipe(cxx, sources, flags, ()), False))
+    log: list[str] = []
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for recipe, has_openmp in attempts:
+        if recipe.build(target, log):
+            return BuiltLibrary(target, True, has_openmp, recipe.compile_flags)
+    raise BuildUnavailable(f"building {source} with {' '.join(march)} failed:\n" + "\n".join(log)[-4000:])
 
 
 def _obtain(recipe: _Recipe, target: Path) -> bool | None:

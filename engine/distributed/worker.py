@@ -44,6 +44,7 @@ from tqdm import tqdm
 
 from tidepool.contract.wire import MessageType
 
+from .. import hugepages
 from ..config import ModelConfig
 from ..engine_config import EngineConfig, ResolvedConfig, resolve
 from ..kv_transfer.ranks import WorkerKV, address_towards, engine_layout
@@ -252,10 +253,13 @@ class _Worker:
 
     def _zeros_cache(self, shape: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         dtype = self.model_config.torch_dtype
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(self.stage.num_local_layers)
-        ]
+
+        def zeros() -> torch.Tensor:
+            if self.device.type == "cpu":  # reserved, not touched: kernel-zeroed pages fault in as used (hugepages.py)
+                return hugepages.zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        return [(zeros(), zeros()) for _ in range(self.stage.num_local_layers)]
 
     def _forward(
         self,
