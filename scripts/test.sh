@@ -23,7 +23,9 @@ if ! bash e2e/controlplane/build.sh --check; then
   build_pid=$!
 fi
 echo "== preparing the real node in the background (log: $logs/node-prep.log)"
-(bash e2e/node/install-deps.sh && nice -n 10 python3 e2e/images/build.py base) >"$logs/node-prep.log" 2>&1 &
+# (+ the node's NetworkPolicy implementation, its own small Go build: e2e/controlplane/build_netpol.sh)
+(bash e2e/node/install-deps.sh && nice -n 10 python3 e2e/images/build.py base \
+  && chrt --idle 0 bash e2e/controlplane/build_netpol.sh) >"$logs/node-prep.log" 2>&1 &
 prep_pid=$!
 
 source scripts/env.sh

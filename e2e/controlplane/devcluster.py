@@ -4,7 +4,8 @@
 kube-scheduler and kwok from the binaries that `e2e/controlplane/build.sh` caches, with fresh
 certificates (devcluster_pki.py) and an admin kubeconfig, creates N fake GPU nodes, runs the
 LeaderWorkerSet controller (devcluster_addons.py) and, with `real_node=True`, one real node
-(containerd + kubelet + kube-proxy in their own namespaces, devcluster_node.py) with cluster DNS.
+(containerd + kubelet + kube-proxy in their own namespaces, devcluster_node.py) with cluster DNS
+and NetworkPolicies enforced (kube-network-policies, devcluster_netpol.py; `network_policies=False`: off).
 It waits until the cluster is usable: /readyz is ok, every node is Ready, the `default`
 ServiceAccount exists. `stop()` kills every process it started (and the real node's pods and
 shims), so no process, listening port, mount, network namespace or cgroup stays behind.
@@ -36,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import devcluster_addons as addons
 import devcluster_components as comp
+import devcluster_netpol as netpol
 import devcluster_node as node
 import devcluster_procs as procs
 from devcluster_addons import DevEnv
@@ -123,12 +125,14 @@ class DevCluster:
         real_node: bool = False,
         dev_env: DevEnv | None = None,
         lws: bool = True,
+        network_policies: bool = True,
     ) -> None:
         self.detached = detached  # False: components die with this process (PDEATHSIG)
         self.bin_dir = bin_dir or find_bin_dir()
         self.num_nodes = num_nodes
         self.timeout_s = timeout_s
         self.real_node, self.dev_env, self.lws = real_node, dev_env, lws
+        self.network_policies = network_policies  # enforced on the real node (devcluster_netpol.py)
         self._own_state_dir = state_dir is None
         self.state_dir = Path(state_dir or tempfile.mkdtemp(prefix="tidepool-devcluster-"))
         self.kubeconfig = self.state_dir / "admin.kubeconfig"
@@ -258,6 +262,8 @@ class DevCluster:
         self.timings["images imported"] = round(time.monotonic() - self._t0, 2)
         self._spawn("kubelet", node.kubelet_args(node_dir, addrs, pki, self.server), wrapper=inside)
         self._spawn("kube-proxy", node.kube_proxy_args(node_dir, addrs, pki, self.server), wrapper=inside)
+        if self.network_policies:
+            netpol.start(self, pki, addrs, inside, node.NODE_NAME)
         self._wait("coredns", lambda: _http_ok(f"http://127.0.0.1:{ready}/ready"), NODE_TIMEOUT_S)
         self._wait("kubelet", self._real_node_ready, NODE_TIMEOUT_S)
         if self.dev_env is not None:

@@ -66,7 +66,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     real = not args.no_real_node
     cluster = DevCluster(
         num_nodes=args.nodes, state_dir=args.state_dir, detached=True, real_node=real,
-        dev_env=_dev_env() if real else None,
+        dev_env=_dev_env() if real else None, network_policies=not args.no_network_policies,
     )  # fmt: skip
     cluster.start()
     state_file.write_text(json.dumps(cluster.state(), indent=2))
@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("namespace", nargs="?", help="dev-env: the namespace")
     parser.add_argument("--nodes", type=int, default=2, help="fake GPU nodes (default 2)")
     parser.add_argument("--no-real-node", action="store_true", help="KWOK nodes only (needs no root)")
+    parser.add_argument(
+        "--no-network-policies", action="store_true", help="up: the real node enforces no NetworkPolicy"
+    )
     parser.add_argument("--inference-pool", action="store_true", help="up: also install the InferencePool CRDs")
     parser.add_argument("--models", type=Path, help="dev-env: folder behind pvc://tidepool-dev-models/")
     parser.add_argument(

@@ -294,10 +294,10 @@ def import_image(holder_pid: int, archive: Path) -> None:
 def teardown(
     node: dict[str, Any], stop: Callable[[list[str]], None], release: Callable[[], None] | None = None
 ) -> None:
-    """Stop the node: kubelet and kube-proxy, then every pod, containerd, its shims and the holder;
-    then remove the cgroups. `stop(names)` stops those components of the cluster (SIGTERM, SIGKILL);
+    """Stop the node: kube-network-policies, kubelet and kube-proxy, then every pod, containerd, its shims and
+    the holder; then remove the cgroups. `stop(names)` stops those components of the cluster (SIGTERM, SIGKILL);
     `release()` closes the slot lock this process may still hold."""
-    stop(["kube-proxy", "kubelet"])
+    stop(["kube-network-policies", "kube-proxy", "kubelet"])
     kill_node_processes(node["cgroup_root"], None)  # pods (in the slot's cgroups) first
     stop(["containerd"])
     kill_node_processes(node["cgroup_root"], node["netns_inode"], node["node_ip"])  # shims, the holder

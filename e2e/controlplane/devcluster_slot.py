@@ -162,9 +162,12 @@ def _cgroup_pids(root: str) -> set[int]:
         base = mount / root.lstrip("/")
         if not base.is_dir():
             continue
-        for procs in base.rglob("cgroup.procs"):
-            with contextlib.suppress(OSError, ValueError):
-                pids.update(int(p) for p in procs.read_text().split())
+        # The tree changes while it is walked (pods' cgroups come and go): os.walk skips a directory that
+        # vanished mid-walk (it holds no process any more) and goes on with the rest.
+        for folder, _dirs, files in os.walk(base):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError, ValueError):
+                    pids.update(int(p) for p in Path(folder, "cgroup.procs").read_text().split())
     return pids
 
 
