@@ -1,4 +1,7 @@
-"""API keys for `tidepool serve` and `tidepool router`: the valid keys, the check in front of the app, the client side.
+"""API keys for `tidepool serve` and `tidepool router`: the valid keys, the check in front of the app.
+
+The client side (`ApiKeyAuth`, an httpx auth) lives in api_key_auth.py, imported on first use of the
+name here, so a server that only checks keys never imports httpx.
 
 Keys come from `--api-key KEY` (repeatable), `--api-key-file PATH` (one key a line; blank lines and
 lines starting with `#` are ignored) and, only when neither flag is given, `$TIDEPOOL_API_KEY` (as vLLM
@@ -36,14 +39,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from .asgi_reply import Receive, Send, error_body, refuse
+
+if TYPE_CHECKING:
+    from .api_key_auth import ApiKeyAuth as ApiKeyAuth  # resolved lazily by __getattr__ at run time
 
 logger = logging.getLogger(__name__)
 
@@ -232,18 +236,10 @@ def unauthorized_body(was_presented: bool) -> bytes:
     return error_body(message, "invalid_request_error", "invalid_api_key")
 
 
-class ApiKeyAuth(httpx.Auth):
-    """httpx auth that sends the first of `keys` as a bearer token on requests that carry no key of their own.
+def __getattr__(name: str) -> Any:
+    """`ApiKeyAuth` (common/api_key_auth.py), imported on first use: it needs httpx, which the server never does."""
+    if name == "ApiKeyAuth":
+        from .api_key_auth import ApiKeyAuth
 
-    The router's client: its own calls to engines (health, metrics, model lists) carry the router's key;
-    a client's request it forwards keeps the client's `Authorization` (or `x-api-key`) unchanged.
-    The key is read at each request, so a rotated key file is followed.
-    """
-
-    def __init__(self, keys: ApiKeys) -> None:
-        self.keys = keys
-
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
-        if "authorization" not in request.headers and "x-api-key" not in request.headers:
-            request.headers["Authorization"] = f"Bearer {self.keys.first()}"
-        yield request
+        return ApiKeyAuth
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

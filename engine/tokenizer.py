@@ -15,6 +15,8 @@ Invariants (checked against transformers 5.x by tests/test_tokenizer.py):
   sandboxed Jinja environment options, globals, filters and template variables.
 - `eos_token_ids` is the union of every EOS a model declares (generation config, model config,
   tokenizer), so generation stops on any of them.
+- jinja2 is imported at the first chat-template render, never with this module (a server's start
+  does not pay for it; tests/test_import_budget.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
+
+if TYPE_CHECKING:
+    import jinja2
 
 # Named special tokens that transformers exposes to chat templates as variables.
 _SPECIAL_TOKEN_ATTRIBUTES = (
@@ -79,29 +81,39 @@ class _TemplateDict:
         return dict.fromkeys(*args, **kwargs)
 
 
-class _TemplateNamespace(jinja2.utils.Namespace):
-    # Dunder names on a namespace would open a path to CPython internals from an untrusted template.
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        # Same signature trick as jinja's Namespace, so that `namespace(self=...)` still works.
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
+@lru_cache(maxsize=1)
+def _template_namespace() -> type:
+    """Jinja's `namespace`, refusing dunder-ish names; built on first render (jinja2 is imported then)."""
+    import jinja2.exceptions
+    import jinja2.utils
+
+    class _TemplateNamespace(jinja2.utils.Namespace):
+        # Dunder names on a namespace would open a path to CPython internals from an untrusted template.
+        def __init__(*args: Any, **kwargs: Any) -> None:
+            # Same signature trick as jinja's Namespace, so that `namespace(self=...)` still works.
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                _TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
             _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
 
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        @staticmethod
+        def _check_name(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(
+                    f"Chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}."
+                )
 
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}."
-            )
+    return _TemplateNamespace
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2.exceptions
+
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -122,13 +134,20 @@ def _strftime_now(format: str) -> str:
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    """Compiles once per template string; untrusted Hub templates only ever run in the sandbox."""
+    """Compiles once per template string; untrusted Hub templates only ever run in the sandbox.
+
+    jinja2 is imported here, at the first render, not with the module: a server start that renders
+    no chat template (and every GGUF/folder load) does not pay for it.
+    """
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
+    env.globals["namespace"] = _template_namespace()
     return env.from_string(source)
 
 

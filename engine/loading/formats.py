@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig, read_config_json
-from ..gguf.checkpoint import GGUFCheckpoint
 from ..gguf.detect import is_gguf_file
 from ..quant.runtime import QuantizedWeight
 from ..quant.spec import QuantSpec, read_quant_spec
@@ -91,6 +90,8 @@ def open_checkpoint(path: str | Path, quantization: str | None = None) -> Checkp
     Q8_0/Q4_0/Q4_1; "int8"/"int4": quantize at load); a folder's own `quantization_config` decides for a folder."""
     model_format = detect_format(path)
     if model_format.name == "gguf":
+        from ..gguf.checkpoint import GGUFCheckpoint  # the `gguf` package (and yaml, …): only for a GGUF file
+
         return GGUFCheckpoint(model_format.path, quantization)
     if model_format.sparsity is not None:
         return SparseCheckpoint(model_format.path, model_format.sparsity)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from ..lora.types import AdapterInfo, LoRAError, LoRASnapshot
 from .async_engine import AsyncEngine, EngineDeadError
 from .commands import RegisterAdapter, UnregisterAdapter
-from .lora_fetch import local_adapter_folder
 from .lora_modules import LoRAModule, adapter_name_error
 from .protocol import APIError, ModelCard, StrictModel
 from .replies import engine_error
@@ -90,7 +89,13 @@ async def unload(engine: AsyncEngine, name: str) -> None:
 
 
 def read_adapter(reader: Callable[[str, str], LoadedAdapter], name: str, path: str) -> LoadedAdapter:
-    """The adapter at `path` (a folder, or a source URI fetched first: lora_fetch.py), read and checked (blocking)."""
+    """The adapter at `path` (a folder, or a source URI fetched first: lora_fetch.py), read and checked (blocking).
+
+    lora_fetch (and through it httpx and the download clients) is imported here, at the first adapter
+    load, not when the app is built: a server without adapters never needs it.
+    """
+    from .lora_fetch import local_adapter_folder
+
     return reader(name, local_adapter_folder(path))
 
 
