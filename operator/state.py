@@ -10,9 +10,12 @@ autoscaler reads its durable state back from status.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidepool.operator.api import ServiceView
 from tidepool.operator.api_keys import ApiKeyState
 from tidepool.operator.autoscaler.handlers import AutoscaleState
 from tidepool.operator.builders import ChildKey, Desired
@@ -45,3 +48,17 @@ class ServiceState:
     autoscale: AutoscaleState = field(default_factory=AutoscaleState)
     lora: LoraState = field(default_factory=LoraState)  # adapter loads per pod (operator/lora/sync.py)
     api_key: ApiKeyState = field(default_factory=ApiKeyState)  # spec.auth's Secret as last read (api_keys.py)
+    # The last valid spec parsed (a copy of its wire form) and its view: a sync whose spec equals it reuses the
+    # view instead of validating the same spec again (most syncs are pod and workload events, not spec changes).
+    parsed: tuple[dict[str, Any], ServiceView] | None = None
+
+    def view_of(self, body: Mapping[str, Any]) -> ServiceView:
+        """The spec's view (`ServiceView.from_body`), validated once per spec: a key's name never changes, so a spec
+        equal to the one last parsed has the same view (a dict comparison instead of pydantic and the CEL twins).
+        Raises as `from_body` does; an invalid spec is not kept (it is parsed again, and refused again)."""
+        spec = body.get("spec") or {}
+        if self.parsed is not None and self.parsed[0] == spec:
+            return self.parsed[1]
+        view = ServiceView.from_body(body)
+        self.parsed = (copy.deepcopy(dict(spec)), view)
+        return view

@@ -117,11 +117,11 @@ def test_hand_edits_are_reverted_by_the_next_event_or_resync():
     sync(ctrl)
     assert api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 2
     assert "Scaled" in [e["reason"] for e in api.events]
-    del api.objects[("Role", f"{NAME}-router")]
-    api.store.delete({"kind": "Role", "metadata": {"namespace": NS, "name": f"{NAME}-router",
+    del api.objects[("RoleBinding", f"{NAME}-router")]
+    api.store.delete({"kind": "RoleBinding", "metadata": {"namespace": NS, "name": f"{NAME}-router",
                       "labels": {"tidepool.dev/inferenceservice": NAME}}})  # fmt: skip
     sync(ctrl)
-    assert ("Role", f"{NAME}-router") in api.objects
+    assert ("RoleBinding", f"{NAME}-router") in api.objects
 
 
 def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
@@ -129,8 +129,8 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     as verified: the next (event-triggered, not full) reconcile compares and repairs it."""
     api, ctrl = with_controller()
     sync(ctrl)
-    role_key, pdb_key = ("Role", f"{NAME}-router"), ("PodDisruptionBudget", f"{NAME}-unified")
-    wanted = copy.deepcopy(api.objects[role_key]["rules"])
+    role_key, pdb_key = ("RoleBinding", f"{NAME}-router"), ("PodDisruptionBudget", f"{NAME}-unified")
+    wanted = copy.deepcopy(api.objects[role_key]["subjects"])
     assert pdb_key in api.objects
     deploy = api.objects[("Deployment", f"{NAME}-unified")]
     deploy["spec"]["replicas"] = 4  # the drift this reconcile repairs...
@@ -144,7 +144,7 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
         if not edited:  # ...while two more edits arrive through the watch
             edited.append(True)
             role = api.objects[role_key]
-            role["rules"] = []
+            role["subjects"] = []
             api._bump(role)
             api.store.put(copy.deepcopy(role))
             pdb = api.objects.pop(pdb_key)
@@ -156,7 +156,7 @@ def test_edits_landing_while_a_reconcile_applies_are_reverted_by_the_next_one():
     assert edited and api.objects[("Deployment", f"{NAME}-unified")]["spec"]["replicas"] == 2
     api.apply = real_apply  # type: ignore[method-assign]
     sync(ctrl)  # the edits' events queued the key again: not a full resync
-    assert api.objects[role_key]["rules"] == wanted
+    assert api.objects[role_key]["subjects"] == wanted
     assert pdb_key in api.objects
 
 
@@ -392,7 +392,14 @@ def test_an_autoscaled_sync_parses_the_spec_once(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(InferenceServiceSpec, "model_validate", counting)
     sync(ctrl, full=True)
-    assert len(parsed) == 1
+    assert parsed == []  # the same spec as the last sync's: its view is reused, not validated again
+    spec["engine"] = {"maxNumSeqs": 64}
+    api.put_service(spec, generation=2)
+    ctrl.services.states[KEY].autoscale.next_tick = 0.0
+    sync(ctrl, full=True)
+    assert len(parsed) == 1  # a new spec: parsed once, for the autoscaler and the builders alike
+    assert ctrl.services.states[KEY].verified is not None
+    assert api.service()["status"]["observedGeneration"] == 2
 
 
 def test_a_service_has_one_state_from_first_sight_until_it_is_gone():
