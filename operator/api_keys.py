@@ -1,6 +1,6 @@
 """The API-key Secret of an InferenceService with spec.auth: is it there, and which key the operator sends.
 
-Pods mount `spec.auth.apiKeySecret` (builders/auth.py); a missing Secret or key keeps every new pod in
+Pods mount `spec.auth.apiKeySecretRef` (builders/auth.py); a missing Secret or key keeps every new pod in
 ContainerCreating (FailedMount), which the pods' own status does not say clearly. So each sync of a service with
 spec.auth checks the Secret (`ApiKeys.check`) and reports a problem (status: Degraded, reason
 ApiKeySecretMissing, the Secret named; a Warning Event when the problem starts or changes). The same read gives
@@ -66,7 +66,7 @@ def first_key(secret: Mapping[str, Any], item: str) -> tuple[str | None, str | N
     name = secret.get("metadata", {}).get("name", "?")
     if item not in data:
         keys = ", ".join(sorted(data)) or "none"
-        return None, f"Secret {name} has no key {item} (its keys: {keys}); set spec.auth.apiKeySecret.key"
+        return None, f"Secret {name} has no key {item} (its keys: {keys}); set spec.auth.apiKeySecretRef.key"
     try:
         text = base64.b64decode(data[item], validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError, ValueError):
@@ -99,7 +99,7 @@ class ApiKeys:
         if auth is None:
             state.reset()
             return ApiKeyOutcome(None, None, None)
-        ref = (auth.api_key_secret.name, auth.api_key_secret.key)
+        ref = (auth.api_key_secret_ref.name, auth.api_key_secret_ref.key)
         now = self.clock()
         due_after = self.retry_s if state.problem else self.refresh_s
         is_due = state.ref != ref or state.read_at is None or now - state.read_at >= due_after or is_refused
@@ -124,14 +124,14 @@ class ApiKeys:
                 return self.retry_s  # transient: keep what was known
             key: str | None = None
             problem: str | None = (
-                f"the operator may not read Secret {name} (spec.auth.apiKeySecret): grant it get on secrets "
+                f"the operator may not read Secret {name} (spec.auth.apiKeySecretRef): grant it get on secrets "
                 "(the chart's ClusterRole does)"
             )
         else:
             key, problem = first_key(secret, item) if secret is not None else (None, None)
             if secret is None:
                 problem = (
-                    f"Secret {name} (spec.auth.apiKeySecret) not found in namespace {namespace}: engine and router "
+                    f"Secret {name} (spec.auth.apiKeySecretRef) not found in namespace {namespace}: engine and router "
                     f"pods cannot start until it exists with key {item}"
                 )
         if problem and problem != state.problem:

@@ -18,10 +18,11 @@ from typing import Any
 from tidepool.operator.builders import LABEL_POOL, ClusterFeatures
 from tidepool.operator.cache import SERVICE_KIND
 from tidepool.operator.k8s import KubeClient
+from tidepool.operator.legacy import LEGACY_CHILD_KINDS  # no longer built; watched so that they are pruned
 
 BASE_KINDS = (
-    "ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget",
-    "PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod",
+    "ServiceAccount", *LEGACY_CHILD_KINDS, "RoleBinding", "Service", "PodDisruptionBudget",
+    "PersistentVolumeClaim", "Deployment", "StatefulSet", "Pod", "NetworkPolicy",
 )  # fmt: skip
 OPTIONAL_KINDS: dict[str, tuple[str, str]] = {
     "has_lws": ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),

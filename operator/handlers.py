@@ -29,7 +29,9 @@ from prometheus_client import start_http_server
 
 from tidepool.operator.api import DEFAULT_ENGINE_IMAGE
 from tidepool.operator.autoscaler.handlers import Autoscaler, metrics_source
+from tidepool.operator.autoscaler.sleep import HttpSleepApi
 from tidepool.operator.builders import ClusterFeatures
+from tidepool.operator.builders.common import Collector
 from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.k8s import Credentials, KubeClient
 from tidepool.operator.leader import LeaderElector, LeaseConfig
@@ -58,10 +60,12 @@ class OperatorOptions:
     gpus_per_node: int = _CLUSTER.gpus_per_node
     engine_image: str | None = None  # None: DEFAULT_ENGINE_IMAGE
     router_image: str | None = None
+    router_cluster_role: str = _CLUSTER.router_cluster_role  # the router's RoleBinding names it (bind: the chart)
     hf_download_image: str | None = None
     s3_download_image: str = _CLUSTER.s3_download_image
     metrics_port: int = 9090  # 0: no metrics endpoint
     resolve_revisions: bool = True  # pin floating hf:// revisions to a commit per spec (operator/revision.py)
+    collector: Collector = _CLUSTER.collector  # let in by the services' NetworkPolicies (collector_flags.py)
 
 
 @dataclass(slots=True)
@@ -103,8 +107,10 @@ async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
         gpus_per_node=options.gpus_per_node,
         engine_image=options.engine_image or DEFAULT_ENGINE_IMAGE,
         router_image=options.router_image,
+        router_cluster_role=options.router_cluster_role,
         hf_download_image=options.hf_download_image,
         s3_download_image=options.s3_download_image,
+        collector=options.collector,
     )
     controller_options = ControllerOptions(
         resync_seconds=options.resync_seconds,
@@ -116,7 +122,8 @@ async def start(creds: Credentials, options: OperatorOptions) -> OperatorState:
     controller = Controller(client, controller_options, options.namespaces)
     http = httpx.AsyncClient()
     pods_in = controller.store.pods_in
-    autoscaler = Autoscaler(client, pods_in, controller.events.post, metrics_source(pods_in, http))
+    source = metrics_source(pods_in, http)
+    autoscaler = Autoscaler(client, pods_in, controller.events.post, source, sleep_api=HttpSleepApi(http))
     controller.services.lora = LoraSync(HttpReplicaApi(http), client, lambda key: controller.queue.add(key))
     if options.resolve_revisions:
         controller.services.revisions = Resolver(client)  # its own client: follows redirects (renamed repos)

@@ -45,6 +45,7 @@ def _add_election_args(parser: argparse.ArgumentParser, lease: dict[str, Any]) -
 
 def build_parser() -> argparse.ArgumentParser:
     # The defaults are the options' own (one source); importing them loads kopf, which `main` needs anyway.
+    from tidepool.operator.collector_flags import add_collector_args
     from tidepool.operator.handlers import OperatorOptions
     from tidepool.operator.leader import LeaseConfig
 
@@ -96,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--router-image", default=None, help="router image; default: each service's engine image")
     parser.add_argument(
+        "--router-cluster-role",
+        default=defaults.router_cluster_role,
+        help="ClusterRole (endpointslices get/list/watch) each router's RoleBinding names; the operator needs `bind` "
+        "on it (the chart's <fullname>-router)",
+    )
+    parser.add_argument(
         "--hf-download-image", default=None, help="image with `tidepool download` (hf:// models); default: engine image"
     )
     parser.add_argument(
@@ -108,12 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin a floating hf:// spec.model.revision to its commit once per spec, before any pod starts (needs "
         "the operator to reach the Hub or the Secret's HF_ENDPOINT); --no-resolve-revisions: each pod resolves it",
     )
+    add_collector_args(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
 
 
 def _invalid_number(args: argparse.Namespace) -> str | None:
-    """What is wrong with the numeric flags, if anything."""
+    """What is wrong with the numeric flags (and the other checked ones), if anything."""
     positive = (
         ("resync-seconds", args.resync_seconds),
         ("feature-recheck-seconds", args.feature_recheck_seconds),
@@ -126,6 +134,14 @@ def _invalid_number(args: argparse.Namespace) -> str | None:
             return f"--{flag} must be > 0"
     if args.max_concurrent_rollouts < 0:
         return "--max-concurrent-rollouts must be >= 0 (0: no limit)"
+    if not args.router_cluster_role or "/" in args.router_cluster_role:
+        return f"--router-cluster-role must name a ClusterRole, got {args.router_cluster_role!r}"
+    from tidepool.operator.collector_flags import collector_from_args
+
+    try:
+        collector_from_args(args)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -144,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    from tidepool.operator.collector_flags import collector_from_args
     from tidepool.operator.handlers import OperatorOptions, identity, lease_namespace, register
     from tidepool.operator.k8s import load_credentials
     from tidepool.operator.leader import LeaseConfig
@@ -179,10 +196,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpus_per_node=args.gpus_per_node,
         engine_image=args.engine_image,
         router_image=args.router_image,
+        router_cluster_role=args.router_cluster_role,
         hf_download_image=args.hf_download_image,
         s3_download_image=args.s3_download_image,
         metrics_port=int(os.environ.get("TIDEPOOL_OPERATOR_METRICS_PORT", "9090")),
         resolve_revisions=args.resolve_revisions,
+        collector=collector_from_args(args),
     )
     registry = kopf.OperatorRegistry()
     register(registry, creds, options)

@@ -17,8 +17,9 @@ execute: `Plan.execute(client, store, versions, owner)` creates the control-key 
          fresh random key, keeping any that exists (AlreadyExists: the key never changes; nothing is read
          back), and the cache claims, using any that exists as it is (ClaimExists), then applies
          (server-side apply, one field manager `tidepool-operator`, force; config and RBAC before
-         Services and workloads) and prunes; answers and deletions are written through to the cache and
-         to the verified child versions.
+         Services and workloads) and prunes; a RoleBinding whose roleRef changed (immutable: an older
+         operator's, naming its own Role) is deleted first and created anew (`Plan.replace`); answers
+         and deletions are written through to the cache and to the verified child versions.
          `Plan.prune_deferred(...)` deletes the make-before-break leftovers once the new pools serve.
 
 No sleeps, no module-level state, no clock.
@@ -124,6 +125,7 @@ class Plan:
     create: list[dict[str, Any]] = field(default_factory=list)  # create once, keep if it exists (control keys)
     claims: list[dict[str, Any]] = field(default_factory=list)  # cache claims to create; one that exists is not ours
     prune: list[dict[str, Any]] = field(default_factory=list)  # delete now
+    replace: list[dict[str, Any]] = field(default_factory=list)  # delete before applying anew (immutable roleRef)
     deferred: list[dict[str, Any]] = field(default_factory=list)  # delete once the new pools serve
     events: list[Event] = field(default_factory=list)
     held_router: bool = False  # the router's update waits for the new pools (see hold_router)
@@ -149,6 +151,7 @@ class Plan:
         server gave."""
         create_error = await create_once(client, self.create)
         created, claim_error = await create_claims(client, self.claims, store, self.events)
+        await _delete(client, store, self.replace, versions)  # their new versions are in self.apply
         applied, error = await apply_all(client, self.apply)
         error = create_error or claim_error or error
         for child, obj in {**created, **applied}.items():
@@ -207,6 +210,12 @@ def plan(desired: Sequence[dict[str, Any]], observed: Mapping[ChildKey, Mapping[
                         "delete the claim (its data goes with it) or use another claimName",
                     )
                 )
+        if old is not None and obj["kind"] == "RoleBinding" and not contains(old.get("roleRef"), obj["roleRef"]):
+            out.replace.append(dict(old))  # roleRef cannot change: deleted, then created (an older operator's Role)
+            out.apply.append(obj)
+            before, after = (f"{r.get('kind')}/{r.get('name')}" for r in (old.get("roleRef") or {}, obj["roleRef"]))
+            out.events.append(("Normal", "Replaced", f"RoleBinding {_key(obj)[1]}: roleRef {before} -> {after}"))
+            continue
         if old is not None and contains(old, obj):
             continue
         out.apply.append(obj)
@@ -252,12 +261,12 @@ def pruned_event(objs: Sequence[Mapping[str, Any]]) -> Event:
 
 
 async def apply_all(client: KubeClient, objs: Sequence[dict[str, Any]]) -> tuple[dict[ChildKey, dict], str | None]:
-    """Apply in two phases, each concurrently: a RoleBinding after its Role (the API server's escalation
-    check reads the Role), workloads after the ServiceAccount their pods use (else the
-    first pods are refused and the ReplicaSet backs off). Returns the answers and the first error."""
+    """Apply in two phases, each concurrently: workloads after the ServiceAccount their pods use (else the
+    first pods are refused and the ReplicaSet backs off). A RoleBinding names a chart-shipped ClusterRole the
+    operator may `bind`, so it needs nothing applied before it. Returns the answers and the first error."""
     results: dict[ChildKey, dict] = {}
     error = None
-    later = {"RoleBinding", *WORKLOAD_KINDS}
+    later = set(WORKLOAD_KINDS)
     for phase in ([o for o in objs if o["kind"] not in later], [o for o in objs if o["kind"] in later]):
         answers = await asyncio.gather(*(client.apply(o) for o in phase), return_exceptions=True)
         for obj, answer in zip(phase, answers, strict=True):

@@ -9,7 +9,8 @@ Conditions (what `kubectl wait` and Argo CD read):
   controller has seen that template. During a rollout or scale-up that keeps serving, a Ready=True
   of an older generation is kept as it was (still true of that generation), so
   `kubectl wait --for=condition=Ready` (which skips conditions of older generations) returns only
-  when the new template serves, and dashboards never see the service flap while it serves.
+  when the new template serves, and dashboards never see the service flap while it serves. Without a
+  router (router.enabled false) its message says so (NO_ROUTER_NOTE): status.url is the pool's Service.
 - Progressing=True while replicas are being replaced (RollingOut) or added/removed (Scaling); its message
   names the pods whose model download runs and since when.
 - Degraded=True when the API refused a child, a workload controller failed, spec.auth's Secret or key is
@@ -83,6 +84,11 @@ def _describe(obs: PoolObservation) -> str:
     if not obs.applied:
         text += ", new spec not yet seen by its workload controller"
     return text
+
+
+# Ready's message says it when a service runs without a router (router.enabled: false): status.url is then the
+# pool's Service, which balances connections only (no prefix-aware routing, no request holding).
+NO_ROUTER_NOTE = "no router: the pool's Service selects the serving pods; route with an InferencePool/gateway"
 
 
 def _counts(members: Sequence[PoolObservation]) -> str:
@@ -286,7 +292,8 @@ def build_status(
         verdicts = _invalid(outcome.spec_error)
     else:
         serving = _still_serving(members, router, replaced)
-        ready = _ready(members, serving, outcome, url, generation, previous.condition("Ready"))
+        where = url if router or url is None else f"{url} ({NO_ROUTER_NOTE})"
+        ready = _ready(members, serving, outcome, where, generation, previous.condition("Ready"))
         degraded = _degraded(members, outcome)
         done = _done(members, replaced, outcome, ready)
         stalled = _stalled(done, degraded)

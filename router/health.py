@@ -4,26 +4,32 @@ A probe is: GET `/ready` (200 → ready; any other status → unready, e.g. load
 draining) then, when ready, GET `/metrics` for `vllm:num_requests_waiting`,
 `vllm:num_requests_running` and `vllm:kv_cache_usage_perc` (summed over label sets; a
 replica serves one model), then GET `/v1/models` for the adapters it holds (LoRA affinity, see
-`lora`; an answer that is not a model list leaves them unknown). A transport error is a failure
-(a refused connection ejects the replica at once, see `Pool.record_failure`). New replicas are
-probed as soon as discovery reports them (`probe_now`), so a request held at zero is released
-without waiting a period.
+`lora`; an answer that is not a model list leaves them unknown). A replica whose metrics say its engine
+sleeps (`vllm:engine_sleep_state`, tidepool.contract.sleep: the operator put an idle pool to sleep, and its
+`/ready` stays 200) is unready to the router, like one at zero: its requests are held, which the operator
+sees (`tidepool_router_held_requests`) and answers by waking the pool; the next probe then makes it ready.
+A transport error is a failure (a refused connection ejects the replica at once, see
+`Pool.record_failure`). New replicas are probed as soon as discovery reports them (`probe_now`), so a
+request held at zero is released without waiting a period.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable
 
 import httpx
 
 from tidepool.contract.metrics_names import KV_CACHE_USAGE_PERC, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from tidepool.contract.sleep import AWAKE, ENGINE_SLEEP_STATE_METRIC, SLEEP_STATE_LABEL
 
 from .lora import ReplicaModels, parse_models
 from .pool import Pool, Replica
 
 logger = logging.getLogger(__name__)
+_SLEEP_STATE_RE = re.compile(SLEEP_STATE_LABEL + r'="([^"]*)"')
 
 
 def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
@@ -47,6 +53,22 @@ def parse_gauges(text: str, names: Iterable[str]) -> dict[str, float]:
         except (IndexError, ValueError):
             logger.debug("unparsable metrics line: %r", line)
     return totals
+
+
+def is_asleep(text: str) -> bool:
+    """Whether an engine's metrics say it sleeps: a `vllm:engine_sleep_state` sample whose `sleep_state` is not
+    `awake` at 1 (an engine without sleep mode exports none: awake)."""
+    for line in text.splitlines():
+        if not line.startswith(ENGINE_SLEEP_STATE_METRIC + "{"):
+            continue
+        labels, _, value = line.partition("}")
+        match = _SLEEP_STATE_RE.search(labels)
+        try:
+            if match and match.group(1) != AWAKE and float(value.split()[0]) == 1.0:
+                return True
+        except (IndexError, ValueError):
+            logger.debug("unparsable metrics line: %r", line)
+    return False
 
 
 class HealthChecker:
@@ -81,6 +103,9 @@ class HealthChecker:
             return
         except httpx.HTTPError as err:
             pool.record_failure(url, f"probe: {err!r}")
+            return
+        if is_asleep(metrics.text):
+            pool.mark_unready(url, "engine asleep (sleep mode)")
             return
         pool.set_models(url, _models_of(models))
         gauges = parse_gauges(metrics.text, (NUM_REQUESTS_WAITING, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE_PERC))

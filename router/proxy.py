@@ -35,7 +35,9 @@ is retried on another replica, at most `max_retries` times; the last upstream er
 once the first event went out a failure ends the stream with an OpenAI-style error event
 and `data: [DONE]`, never a retry. A client that disconnects closes the upstream request,
 and the engine aborts it. A request whose pool has no ready replica is held (see `Pool`)
-for `hold_timeout_s`, then answered 503.
+for `hold_timeout_s`, then answered 503. A 503 whose error code says the engine sleeps
+(contract.sleep.SLEEPING_CODE: slept by the operator before the health probe saw it) marks that
+replica unready and keeps it a candidate, so the retry is held until the pool is woken.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ class Proxy:
                     return await self._direct(call)
                 except UpstreamFailure as failure:
                     last, pool_name = failure, failure.pool
-                    call.tried.setdefault(failure.pool, set()).add(failure.replica)
+                    if not failure.is_asleep:  # a sleeping replica serves again once woken: held, not excluded
+                        call.tried.setdefault(failure.pool, set()).add(failure.replica)
                     logger.warning("attempt %d of %s failed: %s", call.attempt + 1, path, failure.message)
         except NoReplicaError as err:
             if err.is_timeout:
@@ -245,12 +248,15 @@ class Proxy:
 
     def _check_status(self, pool: Pool, replica: Replica, status: int, content: bytes, headers: httpx.Headers) -> None:
         if status == 429 or status >= 500:
-            if status >= 500:  # a 429 is a busy replica, not a broken one
-                pool.record_failure(replica.url, f"answered {status}")
             relayed = {name: headers[name] for name in RELAYED_HEADERS if name in headers}
-            raise UpstreamFailure(
+            failure = UpstreamFailure(
                 f"{replica.label} answered {status}", pool.name, replica.url, status, content, relayed
             )
+            if failure.is_asleep:  # asleep (router/health.py): unready until the next probe sees it woken
+                pool.mark_unready(replica.url, "engine asleep (sleep mode)")
+            elif status >= 500:  # a 429 is a busy replica, not a broken one
+                pool.record_failure(replica.url, f"answered {status}")
+            raise failure
         pool.record_success(replica.url)
 
     def _relay_whole(self, response: httpx.Response, replica: Replica) -> Response:

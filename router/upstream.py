@@ -8,11 +8,14 @@ well-formed error event.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+
+from tidepool.contract.sleep import SLEEPING_CODE
 
 T = TypeVar("T")
 
@@ -47,6 +50,18 @@ class UpstreamFailure(Exception):
         self.status = status  # the replica's HTTP status, None for a transport error
         self.content = content  # the replica's error body, relayed if this is the last attempt
         self.headers = headers or {}
+        # The replica's engine sleeps (503, error code contract.sleep.SLEEPING_CODE): not a broken replica, so it
+        # stays a candidate; it is unready until woken, so the retry is held like a request at zero.
+        self.is_asleep = status == 503 and is_sleeping_reply(content)
+
+
+def is_sleeping_reply(content: bytes) -> bool:
+    """An engine's OpenAI error body saying it sleeps (its `error.code` is contract.sleep.SLEEPING_CODE)."""
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == SLEEPING_CODE
 
 
 class ClientGone(Exception):

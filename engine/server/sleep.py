@@ -80,7 +80,7 @@ class SleepControl:
 
     async def sleep(self, level: int) -> None:
         async with self._lock:
-            engine = self._engine()
+            engine = self._async_engine()
             if level <= self.level:
                 return
             first = self.level == 0
@@ -103,7 +103,7 @@ class SleepControl:
 
     async def wake(self) -> None:
         async with self._lock:
-            engine = self._engine()
+            engine = self._async_engine()
             if self.level == 0:
                 return
             await self._call(engine, lambda e: self._sleeper_of(e).wake())
@@ -114,7 +114,7 @@ class SleepControl:
         """vLLM's `vllm:engine_sleep_state{sleep_state}` gauge, read from `level` at each scrape."""
         registry.register(_SleepStateCollector(self, model_name))
 
-    def _engine(self) -> AsyncEngine:
+    def _async_engine(self) -> AsyncEngine:
         engine = self.state.engine
         if engine is None:
             raise APIError("the model is still loading", status_code=503, type="service_unavailable", code="loading")

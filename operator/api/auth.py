@@ -30,7 +30,7 @@ DEFAULT_API_KEY_ITEM = "api-key"
 SecretKey = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=CONFIG_KEY_RE)]
 
 
-class ApiKeySecret(ApiModel):
+class ApiKeySecretRef(ApiModel):
     """A key of a Secret in the InferenceService's namespace holding the accepted API keys."""
 
     name: DnsSubdomain = Field(description="Name of the Secret, in the InferenceService's namespace.")
@@ -46,7 +46,7 @@ class ApiKeySecret(ApiModel):
 class AuthSpec(ApiModel):
     """Who may call the service: clients must send `Authorization: Bearer <key>`."""
 
-    api_key_secret: ApiKeySecret = Field(
+    api_key_secret_ref: ApiKeySecretRef = Field(
         description=(
             "The Secret key holding the API keys. It is mounted read-only into every engine and router pod and "
             "passed as --api-key-file; /v1/* and admin endpoints then answer 401 without a listed key, while "
@@ -58,16 +58,17 @@ class AuthSpec(ApiModel):
     )
 
 
-def api_key_path(secret: ApiKeySecret) -> str:
+def api_key_path(secret: ApiKeySecretRef) -> str:
     """The file the pods read the keys from."""
     return f"{API_KEY_MOUNT_DIR}/{secret.key}"
 
 
 AUTH_RULES: tuple[Rule, ...] = (
     Rule(
-        ApiKeySecret,
+        ApiKeySecretRef,
         "self.key != '.' && self.key != '..'",
-        "auth.apiKeySecret.key must not be '.' or '..' (it names the file the pods read; Secret keys cannot be either)",
+        "auth.apiKeySecretRef.key must not be '.' or '..' (it names the file the pods read; Secret keys cannot be "
+        "either)",
         lambda a: a.key not in (".", ".."),
         ".key",
     ),

@@ -2,8 +2,10 @@
 
 Shapes plus the rule that belongs to them (a CEL expression for the API server and the same check in Python,
 rules.py's way): exactly one of `maxUnavailable` and `minAvailable`, as a PodDisruptionBudget takes. Unset, a
-pool keeps the operator's default budget, `maxUnavailable: 1` (`DEFAULT_POOL_BUDGET`): a drain evicts one
-replica at a time and never blocks on a single-replica pool.
+pool that can run more than one replica (`InferenceServiceSpec.can_exceed_one_replica`) gets the operator's
+default budget, `maxUnavailable: 1` (`DEFAULT_POOL_BUDGET`: a drain evicts one replica at a time), and a
+single-replica pool gets no PDB at all: `maxUnavailable: 1` would protect nothing there and `minAvailable: 1`
+would block every drain of its node, so the object would be pure cost (set a budget to have one anyway).
 
 Invariants: the builder (builders/network.py) copies the one field set verbatim into the PDB's spec, so
 what the API server accepts here is what a PDB accepts (a count or a percentage).
@@ -20,7 +22,7 @@ from tidepool.operator.api.types import IntOrPercent
 DEFAULT_POOL_BUDGET: dict[str, int | str] = {"maxUnavailable": 1}
 ONE_OF_MESSAGE = (
     "disruptionBudget must set exactly one of maxUnavailable or minAvailable (a PodDisruptionBudget takes one); "
-    "remove disruptionBudget for the default maxUnavailable: 1"
+    "remove disruptionBudget for the default (maxUnavailable: 1, none for a single-replica pool)"
 )
 
 

@@ -21,9 +21,12 @@ from tidepool.operator.api import pod as p
 from tidepool.operator.api import spec as s
 from tidepool.operator.api.auth import AUTH_RULES
 from tidepool.operator.api.availability import AVAILABILITY_RULES
+from tidepool.operator.api.idle_rules import IDLE_RULES
 from tidepool.operator.api.lora_rules import LORA_RULES, ROOT_RULE_MESSAGE, served_name_clash
+from tidepool.operator.api.netpol import NETPOL_RULES
 from tidepool.operator.api.pod_rules import POD_RULES
 from tidepool.operator.api.resource_rules import RESOURCE_RULES
+from tidepool.operator.api.router import ROUTER_RULES
 from tidepool.operator.api.rule import Rule
 
 # catalogue://NAME: a model of `tidepool pull`'s catalogue (names from the catalogue itself, never copied).
@@ -51,6 +54,10 @@ EXTRA_ARG_RE = r"^--[a-z0-9][-a-z0-9]*(=.*)?$"
 MANAGED_FLAGS: tuple[str, ...] = tuple(flag.removeprefix("--") for flag in managed_spellings())
 MANAGED_FLAG_RE = r"^--(" + "|".join(MANAGED_FLAGS) + r")(=.*)?$"
 MAX_NAME_LENGTH = 40
+ROUTER_REQUIRED_MESSAGE = (
+    "router.enabled: false needs mode unified without autoscaling.scaleToZero (the router hands prefill to decode "
+    "and holds requests while a pool scales from zero); set router.enabled: true"
+)
 
 
 def _bounded(pool: s.PoolSpec | None, replicas: int) -> bool:
@@ -140,11 +147,10 @@ _CORE_RULES: tuple[Rule, ...] = (
     ),
     Rule(
         s.InferenceServiceSpec,
-        "self.router.replicas >= 1 || (self.mode == 'unified' && !self.autoscaling.scaleToZero.enabled)",
-        "router.replicas must be at least 1 in disaggregated mode and with scaleToZero "
-        "(the router hands prefill to decode and holds requests while a pool scales from zero)",
-        lambda x: x.router.replicas >= 1 or (x.mode == "unified" and not x.autoscaling.scale_to_zero.enabled),
-        ".router.replicas",
+        "self.router.enabled || (self.mode == 'unified' && !self.autoscaling.scaleToZero.enabled)",
+        ROUTER_REQUIRED_MESSAGE,
+        lambda x: x.router.enabled or (x.mode == "unified" and not x.autoscaling.scale_to_zero.enabled),
+        ".router.enabled",
     ),
     Rule(
         s.PrefillDecodeRatio,
@@ -314,7 +320,20 @@ _CORE_RULES: tuple[Rule, ...] = (
 # pod_rules.py: what a pod override may not do; resource_rules.py: no request above its limit once merged;
 # lora_rules.py: spec.lora (its root rule, adapter names vs metadata.name: checked below, put in the CRD by crdgen)
 # availability.py: a pool's disruptionBudget sets exactly one of its two fields; auth.py: the API-key file's name
-SPEC_RULES: tuple[Rule, ...] = _CORE_RULES + POD_RULES + RESOURCE_RULES + LORA_RULES + AVAILABILITY_RULES + AUTH_RULES
+# router.py: router.replicas is at least 1 (enabled: false runs none);
+# netpol.py: networkPolicy.clients peers
+# idle_rules.py: autoscaling.idle sleep (instead of scaleToZero; needs the autoscaler and the router)
+SPEC_RULES: tuple[Rule, ...] = (
+    _CORE_RULES
+    + POD_RULES
+    + RESOURCE_RULES
+    + LORA_RULES
+    + AVAILABILITY_RULES
+    + AUTH_RULES
+    + NETPOL_RULES
+    + IDLE_RULES
+    + ROUTER_RULES
+)
 
 # Root-level rules (self = the whole object); CEL may read metadata.name there.
 NAME_RULE_CEL = f"!has(self.metadata.name) || size(self.metadata.name) <= {MAX_NAME_LENGTH}"

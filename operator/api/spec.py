@@ -25,16 +25,15 @@ from tidepool.operator.api.gateway import InferencePoolSpec
 from tidepool.operator.api.kube import LABEL_VALUE_RE
 from tidepool.operator.api.lora import LoraSpec
 from tidepool.operator.api.model import ModelCache, ModelSource
+from tidepool.operator.api.netpol import NetworkPolicySpec
 from tidepool.operator.api.pod import (
     DEFAULT_ACCELERATOR,
     Accelerator,
-    ContainerResources,
-    NodeSelectorMap,
     PodOverrides,
     PoolPodOverrides,
-    Toleration,
 )
-from tidepool.operator.api.types import IntOrPercent, Quantity
+from tidepool.operator.api.router import RouterSpec
+from tidepool.operator.api.types import IntOrPercent, Quantity, ReplicaCount
 
 POOL_UNIFIED = "unified"
 POOL_PREFILL = "prefill"
@@ -45,8 +44,6 @@ DEFAULT_ENGINE_IMAGE = "ghcr.io/tidepool-dev/tidepool:0.1.0"
 Mode = Literal["unified", "disaggregated"]
 # Enumerations the engine defines are taken from its flag table, not copied.
 Dtype = Literal[FLAGS["dtype"].choices]  # type: ignore[valid-type]
-RouterPolicy = Literal["prefix-aware", "least-load", "round-robin"]
-ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]
 # The value of the node label nvidia.com/gpu.product, so a label value (the builders put it in a nodeSelector).
 GpuProduct = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=LABEL_VALUE_RE)]
 
@@ -210,8 +207,8 @@ class PoolSpec(ApiModel):
     disruption_budget: DisruptionBudget | None = Field(
         default=None,
         description=(
-            "This pool's PodDisruptionBudget (exactly one of maxUnavailable or minAvailable); unset: maxUnavailable: "
-            "1, which lets a drain evict a single-replica pool (minAvailable: 1 there blocks the drain instead)."
+            "This pool's PodDisruptionBudget (exactly one of maxUnavailable or minAvailable); unset: maxUnavailable "
+            "1 if the pool can exceed 1 replica, else none (minAvailable: 1 on one replica blocks the drain)."
         ),
     )
 
@@ -222,29 +219,6 @@ class Pools(ApiModel):
     unified: PoolSpec | None = Field(default=None, description="The only pool in unified mode.")
     prefill: PoolSpec | None = Field(default=None, description="Prompt-processing pool in disaggregated mode.")
     decode: PoolSpec | None = Field(default=None, description="Token-generation pool in disaggregated mode.")
-
-
-class RouterSpec(ApiModel):
-    """The data-plane router in front of the pools."""
-
-    replicas: ReplicaCount = Field(
-        default=2,
-        description=(
-            "Router replicas (default 2, spread across nodes and zones, with a PodDisruptionBudget keeping one up: "
-            "minAvailable 1 from 2 replicas, maxUnavailable 1 below). At least 1 in disaggregated mode and with "
-            "scale-to-zero; 0 in unified mode runs no router (status.url is then the pool's Service)."
-        ),
-    )
-    policy: RouterPolicy = Field(default="prefix-aware", description="How the router picks an engine replica.")
-    node_selector: NodeSelectorMap = Field(
-        default_factory=dict, max_length=32, description="Node selector of the router pods (spec.pod's is not used)."
-    )
-    tolerations: list[Toleration] = Field(
-        default_factory=list, max_length=32, description="Router tolerations, after spec.pod.tolerations."
-    )
-    resources: ContainerResources | None = Field(
-        default=None, description="Router container requests/limits, replacing the defaults per key."
-    )
 
 
 class Slo(ApiModel):
@@ -259,7 +233,7 @@ class ScaleToZero(ApiModel):
 
     enabled: bool = Field(default=False, description="Allow scaling to zero (needs minReplicas 0 on every pool).")
     idle_seconds: int = Field(
-        default=300, ge=30, le=86_400, description="Seconds without requests before scaling to zero."
+        default=300, ge=30, le=86_400, description="Seconds without requests before scaling to zero (or sleeping)."
     )
 
 
@@ -294,6 +268,11 @@ class AutoscalingSpec(ApiModel):
         default=4, ge=0, le=10_000, description="Target waiting requests per replica (vllm:num_requests_waiting)."
     )
     scale_to_zero: ScaleToZero = Field(default_factory=ScaleToZero, description="Scale-to-zero behaviour.")
+    idle: Literal["scaleToZero", "sleep"] = Field(
+        default="scaleToZero",
+        description="After scaleToZero.idleSeconds without requests: scaleToZero (if enabled), or sleep: keep the "
+        "replicas, engines asleep (memory stays on the node) until the router holds a request.",
+    )
     stabilization: Stabilization = Field(default_factory=Stabilization, description="Stabilization windows.")
     max_step_percent: int = Field(
         default=100, ge=1, le=1000, description="Largest change in one decision, in percent of current replicas."
@@ -350,6 +329,9 @@ class InferenceServiceSpec(ApiModel):
     auth: AuthSpec | None = Field(
         default=None, description="API keys required on the engine and router endpoints; unset: no authentication."
     )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Ingress NetworkPolicies on the engine and router pods."
+    )
 
     def pool_names(self) -> tuple[str, ...]:
         """The pools this spec's mode runs, in a stable order."""
@@ -371,6 +353,22 @@ class InferenceServiceSpec(ApiModel):
         if name == self.scaled_pool() and self.replicas is not None:
             return self.replicas
         return self.pool(name).replicas
+
+    def can_exceed_one_replica(self, name: str) -> bool:
+        """May the pool run more than one replica under this spec: declared above 1, or scaled by Tidepool's
+        autoscaler (active) or HPA/KEDA (external) up to a maxReplicas above 1."""
+        scaled = self.autoscaling.enabled and self.autoscaling.mode != "advisory"
+        return self.pool_replicas(name) > 1 or (scaled and self.pool(name).max_replicas > 1)
+
+    def router_replicas(self) -> int:
+        """Router replicas: 0 when disabled; router.replicas when set; else 2 where any pool can exceed one replica
+        (or disaggregated mode), so the router is never the weaker link, and 1 for a single-replica service."""
+        if not self.router.enabled:
+            return 0
+        if self.router.replicas is not None:
+            return self.router.replicas
+        many = self.mode == "disaggregated" or any(self.can_exceed_one_replica(p) for p in self.pool_names())
+        return 2 if many else 1
 
     def pool_resources(self, name: str) -> Resources:
         """spec.resources with the pool's overrides applied."""

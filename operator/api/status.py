@@ -102,6 +102,9 @@ class AutoscalingStatus(StatusModel):
     last_active_time: Timestamp | None = Field(
         default=None, description="Last time a pool saw a request (scale to zero counts idleness from it)."
     )
+    asleep_since: Timestamp | None = Field(
+        default=None, description="autoscaling.idle sleep: since when the pools' engines sleep (unset: awake)."
+    )
     recommendations: list[Recommendation] = Field(
         default_factory=list,
         max_length=64,
@@ -199,7 +202,9 @@ class InferenceServiceStatus(StatusModel):
         default=None, description="Scale subresource: label selector of the scaled pool's pods."
     )
     url: Annotated[str, StringConstraints(max_length=2048)] | None = Field(
-        default=None, description="In-cluster URL of the OpenAI-compatible endpoint (the router Service)."
+        default=None,
+        description="In-cluster URL of the OpenAI-compatible endpoint: the router Service, or the pool's Service "
+        "with router.enabled false.",
     )
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
     lora: list[LoraAdapterStatus] | None = Field(

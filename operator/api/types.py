@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BeforeValidator, StringConstraints, WithJsonSchema
+from pydantic import BeforeValidator, Field, StringConstraints, WithJsonSchema
 
 from tidepool.operator.api.quantity import (
     MAX_QUANTITY_LENGTH,
@@ -105,3 +105,4 @@ IntOrPercent = Annotated[
 DnsLabel = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_LABEL_RE)]
 DnsSubdomain = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_RE)]
 ShortString = Annotated[str, StringConstraints(max_length=256)]
+ReplicaCount = Annotated[int, Field(ge=0, le=10_000)]  # replicas of a pool or the router

@@ -27,6 +27,7 @@ def config_from_view(view: ServiceView) -> AutoscaleConfig:
         queue_depth_target=max(float(auto.queue_depth_target), 0.1),
         scale_to_zero=auto.scale_to_zero.enabled,
         idle_seconds=float(auto.scale_to_zero.idle_seconds),
+        sleep_when_idle=auto.idle == "sleep",
         up_seconds=float(auto.stabilization.up_seconds),
         down_seconds=float(auto.stabilization.down_seconds),
         max_step_percent=float(auto.max_step_percent),

@@ -15,6 +15,8 @@ the autoscaler never ticks (no scrape, no decision, no replicas): the spec's rep
 drive the scale subresource (`spec.replicas`, the scaled pool's); `clear` removes what an earlier mode
 left in `status.autoscaling` and the service's metric series. A switch between active and advisory
 starts afresh: the other mode's stabilization state, lastScaleTime and metric series are dropped.
+With `autoscaling.idle: sleep` the decision's sleep state is then carried out on the serving engine pods
+(sleep.py: `POST /sleep` / `/wake_up`, an Event on change) and kept in `status.autoscaling.asleepSince`.
 
 Durability: everything the policy decided lives in the cluster, so a restarted (or newly elected)
 operator resumes from it without scaling anything down: replicas come from status, and so does the
@@ -64,6 +66,7 @@ from .config import config_from_view
 from .forecast import Prediction
 from .policy import decide
 from .policy_types import Decision, History, PoolSnapshot, PoolState
+from .sleep import SleepApi, Sleeper, SleepMemory, serving_pods
 from .window import PoolWindow
 
 DECISIONS = Counter("tidepool_autoscaler_decisions", "Autoscaler decisions", ["namespace", "name", "mode", "action"])
@@ -119,6 +122,7 @@ def restore_history(auto: Mapping[str, Any], now: float) -> History:
         recommendations=tuple(recs),
         last_scale_time=_epoch(auto.get("lastScaleTime")),
         last_active_time=now if _was_active(auto) else (None if last_active is None else min(last_active, now)),
+        asleep_since=_epoch(auto.get("asleepSince")),
     )
 
 
@@ -167,6 +171,7 @@ def autoscaling_status(
         "limited": decision.limited_reason[:1024] if decision.is_limited else None,
         "lastActiveTime": _rfc3339(history.last_active_time) if history.last_active_time is not None else None,
         "recommendations": _recommendations(history),
+        "asleepSince": _rfc3339(history.asleep_since) if decision.is_asleep and history.asleep_since else None,
     }
     return {k: v for k, v in out.items() if v is not None}
 
@@ -199,6 +204,7 @@ def _material(auto: Mapping[str, Any]) -> Any:
         {p: v.get("desiredReplicas") for p, v in (auto.get("pools") or {}).items()},
         recs[-1].get("replicas") if recs else None,
         _was_active(auto),
+        auto.get("asleepSince"),
     )
 
 
@@ -220,6 +226,7 @@ class AutoscaleState:
     next_tick: float = 0.0  # when the next decision is due (the autoscaler's clock)
     series: set[Series] = field(default_factory=set)  # the metric series labelled with this service
     windows: dict[str, PoolWindow] = field(default_factory=dict)  # per pool, the metrics of the last window
+    sleep: SleepMemory = field(default_factory=SleepMemory)  # autoscaling.idle sleep: pods a wake missed (sleep.py)
 
     def drop_series(self) -> None:
         for metric, labels in self.series:
@@ -231,6 +238,7 @@ class AutoscaleState:
         self.drop_series()
         self.history, self.next_tick = None, 0.0
         self.windows.clear()
+        self.sleep.reset()
 
 
 class Autoscaler:
@@ -246,8 +254,10 @@ class Autoscaler:
         interval_s: float | None = None,
         window_s: float | None = None,
         clock: Callable[[], float] = time.time,
+        sleep_api: SleepApi | None = None,
     ) -> None:
         self.client, self.pods_of, self.event = client, pods_of, event
+        self.sleeper = Sleeper(sleep_api, event)  # autoscaling.idle sleep: engines put to sleep and woken (sleep.py)
         self.interval_s = interval_s or float(os.environ.get("TIDEPOOL_AUTOSCALE_INTERVAL", "15"))
         window = window_s or float(os.environ.get("TIDEPOOL_AUTOSCALE_WINDOW", "60"))
         self.collector = Collector(source, window)
@@ -296,9 +306,10 @@ class Autoscaler:
         return states
 
     async def tick(
-        self, key: Key, view: ServiceView, body: Mapping[str, Any], state: AutoscaleState
+        self, key: Key, view: ServiceView, body: Mapping[str, Any], state: AutoscaleState, api_key: str | None = None
     ) -> Mapping[str, Any]:
-        """One decision; returns the object as updated by the status write (or `body` when nothing was written)."""
+        """One decision; returns the object as updated by the status write (or `body` when nothing was written).
+        `api_key`: what the sleep calls send to pods of a service with spec.auth."""
         namespace, name = key
         now = self.clock()
         state.next_tick = now + self.interval_s
@@ -321,6 +332,8 @@ class Autoscaler:
         state.history = decision.history
         told = {p: v.get("desiredReplicas") for p, v in (previous.get("pools") or {}).items()}
         await self._report(key, body, state, decision, current, is_news=decision.desired != told)
+        serving = serving_pods(self.pods_of(*key), pools)
+        await self.sleeper.step(body, decision, bool(written.get("asleepSince")), serving, state.sleep, api_key)
         new = autoscaling_status(decision, snaps, previous, now)
         if _material(new) == _material(written):
             return body

@@ -28,7 +28,9 @@ How a pool's replicas are chosen, in order:
 7. Zero: only after `idle_seconds` without any request (complete data) does every pool go to 0
    (utilization never takes a running pool below 1, even with minReplicas 0); from 0, a pool
    whose router holds requests goes to max(minReplicas, 1), and so do the others.
-8. Advisory: the decision is reported, `replicas` stays the current replicas.
+8. Sleep (`autoscaling.idle: sleep`, idle.py): where step 7 would go to zero, the replicas stay and the
+   decision says the engines sleep (`is_asleep`); a request the router holds wakes them.
+9. Advisory: the decision is reported, `replicas` stays the current replicas (and nothing sleeps or wakes).
 
 Invariants (property-tested in tests/autoscaler): desired within [min, max] (or 0 when scaled to
 zero); monotone in load; a constant load settles without flapping; ratio bounds held when
@@ -42,6 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .anticipate import after_decision, anticipate, combine, describe, queue_utilization
+from .idle import SleepStep, sleep_step
 from .policy_types import (
     DECODE,
     PREFILL,
@@ -113,6 +116,8 @@ def decide(
     if any(_is_active(s) for s in snaps.values()):
         last_active = now
     zero_note = _zero(desired, config, current, snaps, evals, last_active, now)
+    sleep = _sleep(config, history, current, snaps, evals, now - last_active, now)
+    zero_note = "; ".join(x for x in (zero_note, sleep.note) if x)
 
     # After the zero rules: waking both pools from zero must respect (or report) the ratio too.
     if PREFILL in desired:
@@ -141,9 +146,11 @@ def decide(
         last_scale_time=now if is_scaling and not config.is_advisory else history.last_scale_time,
         last_active_time=last_active,
         forecasts={name: after_decision(a[0], current[name], applied[name]) for name, a in anticipated.items()},
+        asleep_since=history.asleep_since if config.is_advisory else sleep.asleep_since,
     )
-    reason = _reason(pools, zero_note, config.is_advisory and is_scaling)
-    return Decision(pools=pools, replicas=applied, is_advisory=config.is_advisory, reason=reason, history=next_history)
+    reason = _reason(pools, zero_note, config.is_advisory and (is_scaling or sleep.change is not None))
+    is_asleep, change = next_history.asleep_since is not None, None if config.is_advisory else sleep.change
+    return Decision(pools, applied, config.is_advisory, reason, next_history, is_asleep, change, sleep.note)
 
 
 def _bounded(name: str, value: int, config: AutoscaleConfig, state: PoolState, is_complete: bool) -> tuple[int, str]:
@@ -306,6 +313,28 @@ def _zero(
             desired[name] = 0
         return f"no requests for {idle_for:.0f}s >= idleSeconds {config.idle_seconds:g}: scaling to zero"
     return ""
+
+
+def _sleep(
+    config: AutoscaleConfig,
+    history: History,
+    current: Mapping[str, PoolState],
+    snaps: Mapping[str, PoolSnapshot],
+    evals: Mapping[str, _Evaluation],
+    idle_for: float,
+    now: float,
+) -> SleepStep:
+    """`autoscaling.idle: sleep` (idle.py): the pools' sleep state after this decision."""
+    return sleep_step(
+        history.asleep_since,
+        is_enabled=config.sleep_when_idle,
+        is_held=any(s.held_requests > 0 for s in snaps.values()),
+        idle_for=idle_for,
+        idle_seconds=config.idle_seconds,
+        is_complete=all(e.is_complete for e in evals.values()),
+        has_replicas=any(state.replicas > 0 for state in current.values()),
+        now=now,
+    )
 
 
 def _describe(name: str, pool: PoolDecision) -> str:

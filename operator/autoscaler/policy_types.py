@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tidepool.operator.api.spec import POOL_DECODE, POOL_PREFILL, POOL_UNIFIED, AutoscalingSpec
 
 from .forecast import ForecastConfig, PoolForecast, Prediction
 
 UNIFIED, PREFILL, DECODE = POOL_UNIFIED, POOL_PREFILL, POOL_DECODE
+SleepChange = Literal["sleep", "wake"]
 # The API's defaults: what an InferenceService that sets none of autoscaling.* gets. AutoscaleConfig's
 # defaults are these, so the simulator and the operator agree without a copy.
 _API = AutoscalingSpec()
@@ -47,6 +49,8 @@ class AutoscaleConfig:
     queue_depth_target: float = float(_API.queue_depth_target)
     scale_to_zero: bool = _API.scale_to_zero.enabled
     idle_seconds: float = float(_API.scale_to_zero.idle_seconds)  # no request for this long -> zero replicas
+    # autoscaling.idle sleep: idle pools keep their replicas and their engines sleep (idle.py) instead of going to 0
+    sleep_when_idle: bool = _API.idle == "sleep"
     # scale-up stabilization window (min of recommendations within it)
     up_seconds: float = float(_API.stabilization.up_seconds)
     # scale-down stabilization window (max of recommendations within it)
@@ -100,6 +104,7 @@ class History:
     recommendations: tuple[tuple[float, Mapping[str, int]], ...] = ()  # (time, raw recommendation per pool)
     last_scale_time: float | None = None
     last_active_time: float | None = None  # last time any pool saw a request (idle -> zero)
+    asleep_since: float | None = None  # autoscaling.idle sleep: when the pools were put to sleep (None: awake)
     # Anticipation's learned state per pool (forecast.py); in memory only: an operator restart relearns it.
     forecasts: Mapping[str, PoolForecast] = field(default_factory=dict)
 
@@ -124,6 +129,9 @@ class Decision:
     is_advisory: bool
     reason: str  # human-readable, one clause per pool
     history: History = field(default_factory=History)
+    is_asleep: bool = False  # autoscaling.idle sleep: the engines should sleep now (never in advisory mode)
+    sleep_change: SleepChange | None = None  # this decision puts the pools to sleep or wakes them (idle.py)
+    sleep_reason: str = ""  # why it sleeps or wakes, or why the pools stay asleep (idle.py; "" otherwise)
 
     @property
     def desired(self) -> dict[str, int]:

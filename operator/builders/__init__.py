@@ -7,13 +7,15 @@ no clock, no I/O: the same inputs always give the same output, byte for byte onc
 sorted keys.
 
 Children: per pool an engine workload (Deployment | LeaderWorkerSet | StatefulSet per replica group,
-plus a headless Service for the groups), a Service and a PodDisruptionBudget; the router Deployment,
-Service, ServiceAccount, Role and RoleBinding, and its PodDisruptionBudget while it has replicas; per
-multi-node pool the Secret of its control channel's key
+plus a headless Service for the groups), a Service and, where it can protect something, a PodDisruptionBudget
+(network.pool_pdb); unless `router.enabled` is false, the router Deployment, Service, ServiceAccount and
+RoleBinding (to the chart's ClusterRole --router-cluster-role), and its PodDisruptionBudget from two replicas
+(without a router status.url is the pool's Service); per multi-node pool the Secret of its control channel's key
 (control_key.py: created once by the plan, never applied); the model-cache claim when
 `modelCache.persistentVolumeClaim.size` asks for one (created if absent, never owned: claims.py); a
 ServiceMonitor when the CRD exists; an InferencePool when its CRD exists and `spec.inferencePool` names an
-Endpoint Picker (inference_pool.py).
+Endpoint Picker (inference_pool.py); the ingress NetworkPolicies unless `spec.networkPolicy.enabled` is false
+(netpol.py).
 `replicas_by_pool` (the autoscaler's seam) overrides the spec's replicas per pool.
 """
 
@@ -42,6 +44,7 @@ from .control_key import control_key_secret
 from .engine import Topology, pool_workloads, topology, with_workload_kind
 from .inference_pool import inference_pool
 from .layout import ChildKey, Desired, PoolLayout
+from .netpol import network_policies, router_runs
 from .network import (
     cache_claim,
     headless_service,
@@ -66,10 +69,11 @@ KIND_ORDER = (
     "PersistentVolumeClaim",
     "Secret",
     "ServiceAccount",
-    "Role",
+    "Role",  # never built any more: an older operator's router Role, pruned (operator/legacy.py)
     "RoleBinding",
     "Service",
     "PodDisruptionBudget",
+    "NetworkPolicy",  # before the workloads: their pods start behind it
     "Deployment",
     "StatefulSet",
     "LeaderWorkerSet",
@@ -131,7 +135,7 @@ def pool_layout(pool: PoolView, replicas: int, topo: Topology, workloads: list[d
 
 
 def router_layout(view: ServiceView, deployment: dict[str, Any]) -> PoolLayout:
-    replicas = view.router.replicas
+    replicas = view.spec.router_replicas()
     return PoolLayout(
         name=ROUTER_POOL,
         desired=replicas,
@@ -176,18 +180,21 @@ def desired_state(
             children.append(headless_service(name, namespace, pool_name))
         if topo.nnodes > 1:
             children.append(control_key_secret(name, namespace, pool_name))
-        children.append(pool_pdb(name, namespace, pool_name, view))
+        if pdb := pool_pdb(name, namespace, pool_name, view):
+            children.append(pdb)
     claim = cache_claim(name, namespace, view)
     if claim:
         children.append(claim)
-    children += router_rbac(name, namespace)
-    router = router_deployment(name, namespace, view, features)
-    children.append(router)
-    children.append(router_service(name, namespace))
-    if pdb := router_pdb(name, namespace, view.router.replicas):
-        children.append(pdb)
+    router = router_deployment(name, namespace, view, features) if router_runs(view) else None
+    if router:
+        children += router_rbac(name, namespace, features.router_cluster_role)
+        children.append(router)
+        children.append(router_service(name, namespace))
+        if pdb := router_pdb(name, namespace, view.spec.router_replicas()):
+            children.append(pdb)
     if features.has_service_monitor:
         children.append(service_monitor(name, namespace))
+    children += network_policies(name, namespace, view, features)
     gateway_pool = inference_pool(name, namespace, view, features)
     if gateway_pool:
         children.append(gateway_pool)
@@ -199,6 +206,8 @@ def desired_state(
             if child["kind"] != "PersistentVolumeClaim":  # a cache claim is never owned (claims.py): GC never takes it
                 child["metadata"]["ownerReferences"] = [dict(owner)]
     children.sort(key=lambda c: (KIND_ORDER.index(c["kind"]), c["metadata"]["name"]))
-    url = router_url(name, namespace) if view.router.replicas else pool_url(name, namespace, view.pool_names[-1])
+    # Without a router (unified mode only, rules.py) clients call the pool's Service: it selects the serving pods.
+    url = router_url(name, namespace) if router else pool_url(name, namespace, view.pool_names[-1])
     selector = pod_selector(name, view)
-    return Desired(children, layouts, router_layout(view, router), url, selector, SCALED_POOL[view.mode])
+    layout = router_layout(view, router) if router else None
+    return Desired(children, layouts, layout, url, selector, SCALED_POOL[view.mode])

@@ -1,7 +1,7 @@
 """spec.auth in the pods: the API-key Secret's volume, its mount and the `--api-key-file` flag. Pure.
 
 Every engine pod (all pools, every rank of a multi-node replica: one template) and every router pod mounts the
-one key of `spec.auth.apiKeySecret` read-only at `API_KEY_MOUNT_DIR/<key>` (defaultMode 0400; the pod's fsGroup
+one key of `spec.auth.apiKeySecretRef` read-only at `API_KEY_MOUNT_DIR/<key>` (defaultMode 0400; the pod's fsGroup
 lets the container's user read it) and gets `--api-key-file` naming that file. The volume is not optional: a pod
 whose Secret or key is missing does not start (the kubelet reports FailedMount), which the operator also reports
 in status (operator/api_keys.py), instead of a pod that would serve without authentication.
@@ -28,7 +28,7 @@ READ_ONLY_MODE = 0o400
 def api_key_args(view: ServiceView) -> list[str]:
     """`--api-key-file <path>` when spec.auth asks for keys, else nothing."""
     auth = view.spec.auth
-    return [API_KEY_FILE_FLAG, api_key_path(auth.api_key_secret)] if auth else []
+    return [API_KEY_FILE_FLAG, api_key_path(auth.api_key_secret_ref)] if auth else []
 
 
 def with_api_key(
@@ -39,7 +39,7 @@ def with_api_key(
     auth = view.spec.auth
     if auth is None:
         return mounts, volumes
-    secret = auth.api_key_secret
+    secret = auth.api_key_secret_ref
     mount = {"name": API_KEY_VOLUME, "mountPath": API_KEY_MOUNT_DIR, "readOnly": True}
     volume = {
         "name": API_KEY_VOLUME,

@@ -22,8 +22,10 @@ LABEL_SERVICE = f"{GROUP}/inferenceservice"
 LABEL_POOL = f"{GROUP}/pool"
 LABEL_SPEC_HASH = f"{GROUP}/spec-hash"
 LABEL_GROUP_INDEX = f"{GROUP}/group-index"
+LABEL_COMPONENT = "app.kubernetes.io/component"  # engine, router, ...: which part of the service
 MANAGED_BY = "tidepool-operator"
 ROUTER_POOL = "router"
+DEFAULT_ROUTER_CLUSTER_ROLE = "tidepool-router"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")  # the kinds that run pods
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
@@ -38,6 +40,16 @@ LLMD_ROLES = {"unified": "both", "prefill": "prefill", "decode": "decode"}
 
 
 @dataclass(frozen=True, slots=True)
+class Collector:
+    """The operator's metrics collector as a NetworkPolicy peer (--collector-* flags): its pods (labels in a
+    namespace) and/or address blocks; the services' NetworkPolicies let it reach /metrics. Empty: no rule."""
+
+    namespace: str | None = None  # the pods' namespace; None: pod_labels are not used (no namespace to scope them)
+    pod_labels: tuple[tuple[str, str], ...] = ()  # sorted (key, value) pairs
+    ip_blocks: tuple[str, ...] = ()  # CIDRs (an operator running outside the cluster)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterFeatures:
     """What the cluster offers and how the operator is configured (detected or flagged at runtime)."""
 
@@ -49,6 +61,10 @@ class ClusterFeatures:
     router_image: str | None = None  # default: the engine image (it ships `tidepool router`)
     hf_download_image: str | None = None  # default: the engine image (it ships `tidepool download`)
     s3_download_image: str = "amazon/aws-cli:2.22.35"
+    collector: Collector = Collector()  # who scrapes the pods (NetworkPolicies let it in: netpol.py)
+    # The chart-shipped ClusterRole (endpointslices get/list/watch) each router's RoleBinding names
+    # (--router-cluster-role; the chart's `<fullname>-router`, so release "tidepool" gives this default).
+    router_cluster_role: str = DEFAULT_ROUTER_CLUSTER_ROLE
 
 
 def engine_image(view: ServiceView, features: ClusterFeatures) -> str:
@@ -75,7 +91,7 @@ def labels(service: str, pool: str, component: str) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "tidepool",
         "app.kubernetes.io/instance": service,
-        "app.kubernetes.io/component": component,
+        LABEL_COMPONENT: component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
         **selector_labels(service, pool),
     }

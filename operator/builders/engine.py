@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidepool.contract.serve_flags import render_args
+from tidepool.contract.sleep import SLEEP_MODE_FLAG
 from tidepool.operator.api.pod import PodOverrides
 from tidepool.operator.api.quantity import canonical_quantity
 from tidepool.operator.api.spec import serve_flag_fields
@@ -135,6 +136,8 @@ def engine_flags(
     }
     flags.update({flag: getattr(engine, field) for field, flag in serve_flag_fields().items()})
     flags.update(lora_flags(view))
+    if view.autoscaling.idle == "sleep":  # the autoscaler puts idle pools to sleep (operator/autoscaler/sleep.py)
+        flags[SLEEP_MODE_FLAG] = True
     if engine.speculative is not None:
         speculative = {
             "method": engine.speculative.method,
@@ -239,6 +242,17 @@ def _storage(view: ServiceView, sources: list[ModelSource]) -> tuple[list[dict[s
     return sorted(mounts, key=lambda m: m["mountPath"]), sorted(volumes, key=lambda v: v["name"])
 
 
+def triton_cache_env(view: ServiceView, topo: Topology) -> dict[str, str]:
+    """GPU pods on a persistent model cache keep Triton's kernel cache (compiled kernels and the launcher built
+    against the node's libcuda; Triton keys entries by its version and the GPU target) on that claim, so only the
+    first pod of a service compiles and a pod scaled from zero or started on a new node reuses it. Elsewhere it
+    stays in $HOME/.triton on the pod's /tmp (an emptyDir cache dies with its pod, as /tmp does)."""
+    cache = view.model_cache
+    if topo.gpus_per_pod and cache is not None and cache.persistent_volume_claim is not None:
+        return {"TRITON_CACHE_DIR": f"{MODELS_DIR}/.triton-cache"}
+    return {}
+
+
 def engine_container(
     view: ServiceView,
     pool: PoolView,
@@ -255,6 +269,7 @@ def engine_container(
     env = {
         "HOME": "/tmp",
         "HF_HOME": f"{MODELS_DIR}/.hf-home",
+        **triton_cache_env(view, topo),
         **rank_env(name, namespace, pool.name, topo),
         **lora_env(view),
         **control_key_env(topo.nnodes),

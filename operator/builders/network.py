@@ -1,15 +1,17 @@
-"""Services, the router (Deployment, Service, ServiceAccount + Role to read EndpointSlices, PodDisruptionBudget),
+"""Services, the router (Deployment, Service, ServiceAccount + RoleBinding to read EndpointSlices, PodDisruptionBudget),
 the pools' PodDisruptionBudgets and the optional ServiceMonitor of one InferenceService.
 
-Router availability: `router.replicas` (default 2) spread across nodes and zones (topologySpreadConstraints,
-ScheduleAnyway: a one-node cluster still runs them all), rolled with maxUnavailable 0 (a new router is Ready
-before an old one stops), and a PodDisruptionBudget keeping one up through drains: minAvailable 1 from two
-replicas, maxUnavailable 1 below (a single router never blocks a drain). A pool's PDB is its
-`disruptionBudget`, or maxUnavailable 1 when unset.
+Router availability: `spec.router_replicas()` (router.replicas, or automatic: 2 where any pool can exceed one
+replica, else 1) spread across nodes and zones (topologySpreadConstraints, ScheduleAnyway: a one-node cluster
+still runs them all), rolled with maxUnavailable 0 (a new router is Ready before an old one stops), and from two
+replicas a PodDisruptionBudget keeping one up through drains (minAvailable 1; a lone router gets none). A pool's
+PDB is its `disruptionBudget`; unset, maxUnavailable 1 where the pool can exceed one replica, else none.
+With `router.enabled: false` none of the router objects exist (builders/__init__.py).
 
 Invariants: pure; a pool Service selects only pods that serve HTTP (rank 0 of a multi-node replica);
-the router discovers engines through the pool Services' EndpointSlices, so its Role grants exactly
-get/list/watch on endpointslices in its own namespace; with spec.auth the router mounts the API-key Secret
+the router discovers engines through the pool Services' EndpointSlices, so its RoleBinding grants exactly
+get/list/watch on endpointslices in its own namespace (a chart-shipped ClusterRole, bound per service; an older
+operator's per-service Role is pruned: legacy.py); with spec.auth the router mounts the API-key Secret
 and gets --api-key-file, as the engines do (auth.py).
 """
 
@@ -85,9 +87,12 @@ def headless_service(name: str, namespace: str, pool: str) -> dict[str, Any]:
     }
 
 
-def pool_pdb(name: str, namespace: str, pool: str, view: ServiceView) -> dict[str, Any]:
-    """The pool's PodDisruptionBudget: pools.<pool>.disruptionBudget, or maxUnavailable 1 when unset."""
+def pool_pdb(name: str, namespace: str, pool: str, view: ServiceView) -> dict[str, Any] | None:
+    """The pool's PodDisruptionBudget: pools.<pool>.disruptionBudget; unset, maxUnavailable 1 where the pool can
+    run more than one replica and None for a single-replica pool (a budget there protects nothing)."""
     budget = view.spec.pool(pool).disruption_budget
+    if budget is None and not view.spec.can_exceed_one_replica(pool):
+        return None
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -100,16 +105,15 @@ def pool_pdb(name: str, namespace: str, pool: str, view: ServiceView) -> dict[st
 
 
 def router_pdb(name: str, namespace: str, replicas: int) -> dict[str, Any] | None:
-    """One router stays up through voluntary disruptions once there are two; a lone router may be evicted
-    (minAvailable 1 would block every drain of its node). None without router pods."""
-    if replicas < 1:
+    """One router stays up through voluntary disruptions once there are two (minAvailable 1). None below two:
+    a lone router's budget could only block its node's drains (minAvailable 1) or protect nothing."""
+    if replicas < 2:
         return None
-    budget: dict[str, int] = {"minAvailable": 1} if replicas >= 2 else {"maxUnavailable": 1}
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
-        "spec": {**budget, "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)}},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)}},
     }
 
 
@@ -158,27 +162,25 @@ def cache_claim(name: str, namespace: str, view: ServiceView) -> dict[str, Any] 
     }
 
 
-def router_rbac(name: str, namespace: str) -> list[dict[str, Any]]:
+def router_rbac(name: str, namespace: str, cluster_role: str) -> list[dict[str, Any]]:
+    """The router's ServiceAccount and a RoleBinding, in its own namespace, to the chart's ClusterRole
+    `cluster_role` (endpointslices get/list/watch): no Role per service. The operator may create the binding
+    because it holds `bind` on exactly that ClusterRole (the API server's escalation check)."""
     sa = child_name(name, ROUTER_POOL)
     lbls = labels(name, ROUTER_POOL, "router")
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(sa, namespace, lbls)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": metadata(sa, namespace, lbls),
-            "rules": [
-                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": metadata(sa, namespace, lbls),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
             "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": namespace}],
         },
     ]
+
+
+SCALE_FROM_ZERO_HOLD_S = 300  # the router's --hold-timeout for a service that scales to zero (Knative's default)
 
 
 def router_deployment(name: str, namespace: str, view: ServiceView, features: ClusterFeatures) -> dict[str, Any]:
@@ -190,6 +192,10 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     }
     for pool in view.pool_names:
         flags[f"--{pool}-service"] = child_name(name, pool)
+    if view.autoscaling.scale_to_zero.enabled:
+        # A request arriving at zero waits for an autoscaler tick (15 s) and a whole pod start (schedule, image,
+        # weights, warm-up), far past the router's 30 s default: hold it as long as Knative's activator does.
+        flags["--hold-timeout"] = SCALE_FROM_ZERO_HOLD_S
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}
     mounts, volumes = with_api_key(view, [{"name": "tmp", "mountPath": "/tmp"}], [{"name": "tmp", "emptyDir": {}}])
     container = {
@@ -207,6 +213,10 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
     }
     spec: dict[str, Any] = {
         "serviceAccountName": child_name(name, ROUTER_POOL),
+        # No *_SERVICE_HOST/PORT variables for every Service of the namespace (7 per Service: with hundreds of
+        # services in a namespace, thousands per pod); the router finds engines through EndpointSlices and the
+        # API server through KUBERNETES_SERVICE_HOST, which the kubelet sets regardless.
+        "enableServiceLinks": False,
         "securityContext": pod_security_context(),
         # The router proxies streams from engines that drain for up to engine.drainTimeoutSeconds.
         "terminationGracePeriodSeconds": termination_grace_s(view),
@@ -232,7 +242,7 @@ def router_deployment(name: str, namespace: str, view: ServiceView, features: Cl
         "kind": "Deployment",
         "metadata": metadata(child_name(name, ROUTER_POOL), namespace, labels(name, ROUTER_POOL, "router")),
         "spec": {
-            "replicas": view.router.replicas,
+            "replicas": view.spec.router_replicas(),
             "selector": {"matchLabels": selector_labels(name, ROUTER_POOL)},
             # A new router is Ready before an old one stops: the Service never loses its last endpoint.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},

@@ -27,6 +27,8 @@ import yaml
 from devcluster_addons import install_crds
 from kubernetes import client
 
+from tidepool.operator.builders import ClusterFeatures
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tidepool"
 CRD_FILE = REPO / "crds" / "tidepool.dev_inferenceservices.yaml"
@@ -64,6 +66,10 @@ def operator_identity(cluster, state_dir: Path) -> OperatorIdentity:
     """The chart's ServiceAccount with the chart's RBAC, and a kubeconfig holding only its token."""
     cluster.kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
     docs = render_chart_rbac(cluster)
+    # OperatorProcess passes no --router-cluster-role: the default must be the chart's ClusterRole, which the
+    # operator may bind (a missing bind shows as a forbidden RoleBinding in its log).
+    router_role = ClusterFeatures().router_cluster_role
+    assert any(d["kind"] == "ClusterRole" and d["metadata"]["name"] == router_role for d in docs), router_role
     cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
     sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
     core = client.CoreV1Api(cluster.api_client())
@@ -299,7 +305,8 @@ def is_ready(obj: dict[str, Any] | None) -> bool:
 
 CHILD_KINDS = (
     "deployments.apps,statefulsets.apps,services,configmaps,serviceaccounts,persistentvolumeclaims,"
-    "poddisruptionbudgets.policy,roles.rbac.authorization.k8s.io,rolebindings.rbac.authorization.k8s.io"
+    "poddisruptionbudgets.policy,roles.rbac.authorization.k8s.io,rolebindings.rbac.authorization.k8s.io,"
+    "networkpolicies.networking.k8s.io"
 )
 
 

@@ -5,9 +5,9 @@ ApiKeySecretMissing, the Secret named; a Warning Event): KWOK plays the kubelet 
 volumes, so the report cannot come from a FailedMount here, it comes from the operator's own read. Every pod the
 workload controllers create from the operator's templates (engine and router) mounts the key read-only and gets
 --api-key-file. The API server accepts and the disruption controller evaluates the PodDisruptionBudgets as
-specified: the pool's from its disruptionBudget, the router's minAvailable 1 over its two default replicas. Once
-the Secret is created the problem clears with no watch on Secrets (the operator's wake-up reads it again). The
-operator fixture fails the test if the chart's RBAC refused any request.
+specified: the pool's from its disruptionBudget, the router's minAvailable 1 over its two automatic replicas (the
+pool runs two). Once the Secret is created the problem clears with no watch on Secrets (the operator's wake-up reads
+it again). The operator fixture fails the test if the chart's RBAC refused any request.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def service() -> dict[str, Any]:
         "spec": {
             "model": {"uri": "hf://example/model"},
             "pools": {"unified": {"replicas": 2, "disruptionBudget": {"minAvailable": "50%"}}},
-            "auth": {"apiKeySecret": {"name": SECRET, "key": ITEM}},
+            "auth": {"apiKeySecretRef": {"name": SECRET, "key": ITEM}},
         },
     }
 
@@ -88,7 +88,8 @@ def test_missing_key_secret_is_reported_pods_mount_it_and_budgets_hold(control_p
     missing = wait_until(
         lambda: (d := degraded(control_plane, ns)) and d["reason"] == "ApiKeySecretMissing" and d, 120, "the report"
     )
-    assert missing["status"] == "True" and f"Secret {SECRET} (spec.auth.apiKeySecret) not found" in missing["message"]
+    assert missing["status"] == "True"
+    assert f"Secret {SECRET} (spec.auth.apiKeySecretRef) not found" in missing["message"]
     events = control_plane.kubectl("get", "events", "-n", ns, "-o", "json").stdout
     reasons = [e["reason"] for e in json.loads(events)["items"] if e["involvedObject"].get("name") == NAME]
     assert "ApiKeySecretMissing" in reasons

@@ -52,6 +52,8 @@ def release(control_plane, cp_namespace) -> Iterator[tuple[str, str]]:
     finally:
         for kind in ("clusterrolebinding", "clusterrole"):
             control_plane.kubectl("delete", kind, f"{name}-tidepool", "--ignore-not-found", check=False)
+        for role in ("router", "edit", "view"):  # the routers' and the tenants' ClusterRoles
+            control_plane.kubectl("delete", "clusterrole", f"{name}-tidepool-{role}", "--ignore-not-found", check=False)
 
 
 def test_rendered_chart_passes_server_side_dry_run(control_plane, release):
@@ -125,7 +127,7 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("create", "poddisruptionbudgets.policy", other),
             ("create", "rolebindings.rbac.authorization.k8s.io", other),
             ("list", "pods", other),
-            ("list", "endpointslices.discovery.k8s.io", other),
+            ("delete", "roles.rbac.authorization.k8s.io", other),  # an older operator's router Role, pruned
             ("create", "events", other),
             ("create", "secrets", other),  # a multi-node pool's control key, created once
             ("get", "secrets", other),  # spec.auth's Secret, read by name
@@ -139,6 +141,9 @@ def test_service_account_can_do_exactly_what_the_operator_needs(control_plane, r
             ("list", "namespaces", None),
             ("create", "clusterroles.rbac.authorization.k8s.io", None),
             ("escalate", "roles.rbac.authorization.k8s.io", other),
+            ("create", "roles.rbac.authorization.k8s.io", other),  # routers bind the chart's ClusterRole instead
+            ("bind", "clusterroles.rbac.authorization.k8s.io", other),  # only the router's, by name
+            ("list", "endpointslices.discovery.k8s.io", other),  # the routers' to read, never the operator's
             ("impersonate", "serviceaccounts", other),
             ("delete", "pods", other),
             ("create", "pods/exec", other),

@@ -160,14 +160,14 @@ def test_rollout_revert_and_delete(control_plane, cp_namespace, operator):
     # Hand edits to fields the operator owns, and a deleted child, are reverted at once: their watch
     # events wake the operator (the resync is 10 minutes away).
     kubectl("scale", "deployment", deploy, "-n", ns, "--replicas=4")
-    kubectl("patch", "role", f"{name}-router", "-n", ns, "--type=merge", "-p", '{"rules":[]}')
+    kubectl("patch", "rolebinding", f"{name}-router", "-n", ns, "--type=merge", "-p", '{"subjects":[]}')
     kubectl("delete", "poddisruptionbudget", deploy, "-n", ns)
 
     def reverted() -> bool:
         found = children(control_plane, ns, name)
         return (
             found[("Deployment", deploy)]["spec"]["replicas"] == 2
-            and found[("Role", f"{name}-router")].get("rules")
+            and found[("RoleBinding", f"{name}-router")].get("subjects")
             and ("PodDisruptionBudget", deploy) in found
         )
 

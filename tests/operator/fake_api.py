@@ -72,6 +72,8 @@ class FakeApi:
             raise ApiError(422, f"{obj['kind']} is invalid: admission refused it", "Invalid")
         key = (obj["kind"], obj["metadata"]["name"])
         old = self.objects.get(key)
+        if old is not None and "roleRef" in old and old["roleRef"] != obj.get("roleRef"):  # as the API server
+            raise ApiError(422, f"{obj['kind']} is invalid: roleRef: Invalid value: cannot change roleRef", "Invalid")
         stored = copy.deepcopy(obj)
         stored["metadata"]["uid"] = f"uid-{key[0]}-{key[1]}"
         spec_changed = old is None or json.dumps(old.get("spec"), sort_keys=True) != json.dumps(obj.get("spec"))

@@ -49,6 +49,7 @@ def test_wire_names_are_exactly_the_issues() -> None:
         "autoscaling",
         "rollout",
         "pod",
+        "networkPolicy",
     ]
     assert "image" in EngineSpec.model_fields and "image" not in wire["engine"]  # unset: the operator's default
     assert set(wire["engine"]) >= {
@@ -67,6 +68,7 @@ def test_wire_names_are_exactly_the_issues() -> None:
         "kvCacheTarget",
         "queueDepthTarget",
         "scaleToZero",
+        "idle",
         "stabilization",
         "maxStepPercent",
         "prefillDecodeRatio",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 from api_case_kit import Case, both, rule_message, sample, set_path
+from api_cases_idle import IDLE_CASES, VALID_IDLE_EDITS
 from api_cases_lora import LORA_CASES, VALID_LORA_EDITS
+from api_cases_netpol import NETPOL_CASES, VALID_NETPOL_EDITS
 from api_cases_pod import POD_CASES, VALID_POD_EDITS
 from api_cases_resources import RESOURCE_CASES, VALID_RESOURCE_EDITS
 from pydantic import ValidationError
@@ -63,9 +65,18 @@ VALID_FLEET_EDITS = (
         ),
     ),
 )
-VALID_EDITS = (*VALID_POD_EDITS, *VALID_RESOURCE_EDITS, *VALID_LORA_EDITS, *VALID_FLEET_EDITS)
+VALID_EDITS = (
+    *VALID_POD_EDITS,
+    *VALID_RESOURCE_EDITS,
+    *VALID_LORA_EDITS,
+    *VALID_FLEET_EDITS,
+    *VALID_IDLE_EDITS,
+    *VALID_NETPOL_EDITS,
+)
 INVALID_CASES: tuple[Case, ...] = (
     *POD_CASES,
+    *IDLE_CASES,
+    *NETPOL_CASES,
     *RESOURCE_CASES,
     *LORA_CASES,
     Case("unified-with-prefill", set_path("spec.pools.prefill", {}), rule_message("mode unified needs"), "rule"),
@@ -137,9 +148,15 @@ INVALID_CASES: tuple[Case, ...] = (
         "rule",
     ),
     Case(
-        "disagg-no-router",
+        "router-replicas-zero",
         set_path("spec.router.replicas", 0),
-        rule_message("router.replicas must be at least 1"),
+        rule_message("router.replicas must be at least 1 (unset: automatic); to run without a router set"),
+        "rule",
+    ),
+    Case(
+        "disagg-no-router",
+        set_path("spec.router.enabled", False),
+        rule_message("router.enabled: false needs mode unified"),
         "rule",
         base="disaggregated",
     ),
@@ -210,16 +227,16 @@ INVALID_CASES: tuple[Case, ...] = (
         types.INT_OR_PERCENT_MESSAGE,
         "field",
     ),
-    Case("auth-no-secret", set_path("spec.auth", {}), "apiKeySecret", "field"),
+    Case("auth-no-secret", set_path("spec.auth", {}), "apiKeySecretRef", "field"),
     Case(
         "auth-dot-key",
-        set_path("spec.auth", {"apiKeySecret": {"name": "keys", "key": ".."}}),
-        rule_message("auth.apiKeySecret.key must not be"),
+        set_path("spec.auth", {"apiKeySecretRef": {"name": "keys", "key": ".."}}),
+        rule_message("auth.apiKeySecretRef.key must not be"),
         "rule",
     ),
     Case(
         "auth-bad-key",
-        set_path("spec.auth", {"apiKeySecret": {"name": "keys", "key": "a key"}}),
+        set_path("spec.auth", {"apiKeySecretRef": {"name": "keys", "key": "a key"}}),
         "should match",
         "field",
     ),

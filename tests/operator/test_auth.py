@@ -33,7 +33,7 @@ DISAGG: dict[str, Any] = {
     "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
 }
 MULTI_NODE: dict[str, Any] = {**BASE, "parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"gpusPerReplica": 4}}
-AUTH = {"apiKeySecret": {"name": "svc-keys", "key": "keys.txt"}}
+AUTH = {"apiKeySecretRef": {"name": "svc-keys", "key": "keys.txt"}}
 
 
 def with_auth(base: dict[str, Any], auth: dict[str, Any] | None = AUTH) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def test_without_auth_the_pods_are_exactly_as_before():
 
 
 def test_the_default_key_is_api_key_and_user_extra_args_stay_last():
-    s = with_auth({**BASE, "engine": {"extraArgs": ["--seed=7"]}}, {"apiKeySecret": {"name": "k"}})
+    s = with_auth({**BASE, "engine": {"extraArgs": ["--seed=7"]}}, {"apiKeySecretRef": {"name": "k"}})
     args = templates(s)["svc-unified"]["spec"]["containers"][0]["args"]
     assert args[-3:] == [API_KEY_FILE_FLAG, f"{API_KEY_MOUNT_DIR}/api-key", "--seed=7"]
 
@@ -112,7 +112,7 @@ def test_naming_another_secret_or_key_rolls_the_pods_and_the_key_itself_never_en
         }
 
     plain, first = hashes(None), hashes(AUTH)
-    other_key = hashes({"apiKeySecret": {"name": "svc-keys", "key": "other"}})
+    other_key = hashes({"apiKeySecretRef": {"name": "svc-keys", "key": "other"}})
     assert all(plain[n] != first[n] != other_key[n] for n in plain)
     assert first == hashes(AUTH)  # stable
 
@@ -129,10 +129,10 @@ def test_overrides_may_not_take_the_key_volume_or_its_directory():
 @pytest.mark.parametrize(
     ("auth", "fragment"),
     [
-        ({}, "apiKeySecret"),
-        ({"apiKeySecret": {"key": "k"}}, "name"),
-        ({"apiKeySecret": {"name": "Bad_Name"}}, "name"),
-        ({"apiKeySecret": {"name": "k", "key": "a/b"}}, "key"),
+        ({}, "apiKeySecretRef"),
+        ({"apiKeySecretRef": {"key": "k"}}, "name"),
+        ({"apiKeySecretRef": {"name": "Bad_Name"}}, "name"),
+        ({"apiKeySecretRef": {"name": "k", "key": "a/b"}}, "key"),
     ],
 )
 def test_bad_auth_is_refused_naming_the_field(auth, fragment):
@@ -141,8 +141,8 @@ def test_bad_auth_is_refused_naming_the_field(auth, fragment):
 
 
 def test_a_dot_key_is_refused_by_the_rule():
-    spec = InferenceServiceSpec.model_validate(with_auth(BASE, {"apiKeySecret": {"name": "k", "key": ".."}}))
-    assert any("auth.apiKeySecret.key" in p for p in validate_spec(spec))
+    spec = InferenceServiceSpec.model_validate(with_auth(BASE, {"apiKeySecretRef": {"name": "k", "key": ".."}}))
+    assert any("auth.apiKeySecretRef.key" in p for p in validate_spec(spec))
 
 
 def _pod() -> PodInfo:
@@ -228,6 +228,6 @@ def test_the_lora_step_sends_the_services_key_and_flags_a_refused_one(list_key, 
 def test_the_auth_example_is_valid_and_asks_for_what_it_documents():
     body = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "inferenceservice-auth.yaml").read_text())
     view = ServiceView.from_body(body)
-    assert view.spec.auth is not None and view.spec.auth.api_key_secret.name == "smollm2-api-keys"
+    assert view.spec.auth is not None and view.spec.auth.api_key_secret_ref.name == "smollm2-api-keys"
     found = templates(view.spec.to_wire())
     assert all(API_KEY_FILE_FLAG in t["spec"]["containers"][0]["args"] for t in found.values())

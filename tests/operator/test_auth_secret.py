@@ -19,7 +19,7 @@ from tidepool.operator.controller import Controller, ControllerOptions
 from tidepool.operator.k8s import ApiError
 
 KEY = (NS, NAME)
-AUTH_SPEC: dict[str, Any] = {**SPEC, "auth": {"apiKeySecret": {"name": "keys"}}}
+AUTH_SPEC: dict[str, Any] = {**SPEC, "auth": {"apiKeySecretRef": {"name": "keys"}}}
 SECRET_PATH = f"/api/v1/namespaces/{NS}/secrets/keys"
 
 
@@ -116,7 +116,7 @@ def test_renaming_the_reference_reads_the_new_secret_at_once():
     api, _, _, keys, state = setup()
     api.secrets[SECRET_PATH] = secret("sk-1")
     check(keys, state)
-    other = {**SPEC, "auth": {"apiKeySecret": {"name": "other", "key": "k"}}}
+    other = {**SPEC, "auth": {"apiKeySecretRef": {"name": "other", "key": "k"}}}
     outcome = check(keys, state, other)
     assert api.gets[-1] == f"/api/v1/namespaces/{NS}/secrets/other" and "Secret other" in outcome.problem
 
@@ -158,7 +158,7 @@ def test_the_controller_reports_a_missing_secret_in_status_and_clears_it_once_cr
     asyncio.run(ctrl.services.sync(KEY))
     degraded, ready = api.condition("Degraded"), api.condition("Ready")
     assert (degraded["status"], degraded["reason"]) == ("True", MISSING_REASON)
-    assert "Secret keys (spec.auth.apiKeySecret) not found" in degraded["message"]
+    assert "Secret keys (spec.auth.apiKeySecretRef) not found" in degraded["message"]
     assert (ready["status"], ready["reason"]) == ("False", MISSING_REASON)
     assert [e["reason"] for e in api.events].count(MISSING_REASON) == 1
 

@@ -66,11 +66,12 @@ def engine_container(workload: dict[str, Any]) -> dict[str, Any]:
 
 COMMON = {
     ("ServiceAccount", "svc-router"),
-    ("Role", "svc-router"),
     ("RoleBinding", "svc-router"),
     ("Deployment", "svc-router"),
     ("Service", "svc-router"),
     ("PodDisruptionBudget", "svc-router"),
+    ("NetworkPolicy", "svc-engine"),  # spec.networkPolicy (test_netpol.py)
+    ("NetworkPolicy", "svc-router"),
 }
 
 CASES = [
@@ -85,7 +86,8 @@ CASES = [
         spec(DISAGG),
         ClusterFeatures(),
         COMMON
-        | {(k, f"svc-{p}") for p in ("prefill", "decode") for k in ("Deployment", "Service", "PodDisruptionBudget")},
+        | {(k, f"svc-{p}") for p in ("prefill", "decode") for k in ("Deployment", "Service")}
+        | {("PodDisruptionBudget", "svc-decode")},  # prefill: one replica, no autoscaler: no budget (it protects none)
         {"svc-prefill": ("Deployment", 1, 2), "svc-decode": ("Deployment", 3, 2)},  # spec.replicas wins for decode
         id="disaggregated",
     ),

@@ -62,7 +62,8 @@ def test_lint_is_clean(helm: str) -> None:
 
 def test_template_renders_the_operator_with_standard_labels(helm: str) -> None:
     docs = render(helm)
-    kinds = ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    kinds = ["ClusterRole"] * 4  # the operator's, the routers' and the tenants' edit and view (test_chart_rbac.py)
+    kinds += ["ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
     assert sorted(d["kind"] for d in docs) == kinds
     for doc in docs:
         labels = doc["metadata"]["labels"]
@@ -110,6 +111,7 @@ def test_operator_args_parse_with_the_real_cli(helm: str) -> None:
         assert args.liveness == "http://0.0.0.0:8080/healthz" and args.resync_seconds == 600
         assert args.leader_elect and args.leader_election_id == "tp-tidepool"
         assert args.leader_election_namespace == "tidepool-system"
+        assert args.router_cluster_role == "tp-tidepool-router"  # the chart's ClusterRole (test_chart_rbac.py)
         assert container["args"].count(f"--log-level={args.log_level}") == 1
     (deployment,) = _by_kind(render(helm, "leaderElection.enabled=false", "replicaCount=1"), "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
@@ -134,11 +136,16 @@ def test_leader_election_role_is_namespaced_and_names_its_lease(helm: str) -> No
 
 
 def test_rbac_is_least_privilege(helm: str) -> None:
-    roles = _rules(render(helm))
-    assert set(roles) == {"tp-tidepool"}
+    every = _rules(render(helm))  # the router's and the tenants' ClusterRoles: test_chart_rbac.py
+    assert set(every) == {"tp-tidepool", "tp-tidepool-router", "tp-tidepool-edit", "tp-tidepool-view"}
+    roles = {"tp-tidepool": every["tp-tidepool"]}
     granted: dict[tuple[str, str], set[str]] = {}
     for rules in roles.values():
         for rule in rules:
+            if "resourceNames" in rule:  # the one exception: bind exactly the router's ClusterRole
+                assert rule["verbs"] == ["bind"] and rule["resourceNames"] == ["tp-tidepool-router"], rule
+                assert rule["resources"] == ["clusterroles"], rule
+                continue
             assert set(rule) == {"apiGroups", "resources", "verbs"}, rule  # no nonResourceURLs/resourceNames
             assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"], rule
             assert set(rule["verbs"]) <= ALLOWED_VERBS, rule  # never escalate, bind, impersonate

@@ -122,7 +122,10 @@ def test_turning_it_off_prunes_the_pool_at_once():
     observed = {(c["kind"], c["metadata"]["name"]): c for c in before}
     todo = plan(after, observed)
     assert [(o["kind"], o["metadata"]["name"]) for o in todo.prune] == [("InferencePool", "svc")]
-    assert not todo.deferred and not todo.apply
+    # The one other change: the engines' NetworkPolicy no longer lets the gateway's clients in (builders/netpol.py).
+    assert not todo.deferred and [(o["kind"], o["metadata"]["name"]) for o in todo.apply] == [
+        ("NetworkPolicy", "svc-engine")
+    ]
 
 
 def test_a_mode_switch_keeps_the_pool_and_moves_its_selector_to_decode():

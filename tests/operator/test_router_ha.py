@@ -1,6 +1,8 @@
-"""Router availability and per-pool disruption budgets, from the pure builders: two routers by default, spread
-across nodes and zones, rolled without losing one, a PodDisruptionBudget that keeps one up (and never blocks a
-drain of a lone router); each pool's PDB from its disruptionBudget (exactly one bound), maxUnavailable 1 unset."""
+"""Router availability and per-pool disruption budgets, from the pure builders: two routers where any pool can
+exceed one replica (one otherwise, router.replicas winning when set), spread across nodes and zones, rolled
+without losing one, a PodDisruptionBudget from two routers that keeps one up (none for a lone router); each
+pool's PDB from its disruptionBudget (exactly one bound), unset: maxUnavailable 1 where the pool can exceed one
+replica, none for a single replica."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from tidepool.operator.api import InferenceServiceSpec
 from tidepool.operator.api.availability import ONE_OF_MESSAGE
+from tidepool.operator.api.router import ROUTER_REPLICAS_MESSAGE
 from tidepool.operator.api.rules import validate_spec
 from tidepool.operator.builders import ServiceView, desired_state
 from tidepool.operator.crdgen import build_crd
@@ -41,6 +44,7 @@ def test_two_spread_routers_by_default_rolled_without_losing_one():
         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
     }
     pod = router["spec"]["template"]
+    assert pod["spec"]["enableServiceLinks"] is False  # no env vars per Service of the namespace
     spread = pod["spec"]["topologySpreadConstraints"]
     assert [(c["topologyKey"], c["whenUnsatisfiable"], c["maxSkew"]) for c in spread] == [
         ("kubernetes.io/hostname", "ScheduleAnyway", 1),
@@ -53,15 +57,47 @@ def test_two_spread_routers_by_default_rolled_without_losing_one():
         assert constraint["matchLabelKeys"] == ["pod-template-hash"]
 
 
+SINGLE: dict[str, Any] = {"model": {"uri": "hf://org/model"}}  # one unified replica, no autoscaler
+
+
 @pytest.mark.parametrize(
-    ("replicas", "budget"),
-    [(2, {"minAvailable": 1}), (5, {"minAvailable": 1}), (1, {"maxUnavailable": 1}), (0, None)],
+    ("spec", "routers"),
+    [
+        (SINGLE, 1),
+        (BASE, 2),  # pools.unified.replicas 2
+        ({**SINGLE, "replicas": 3}, 2),  # the scale subresource's spec.replicas
+        ({**SINGLE, "autoscaling": {"enabled": True}}, 2),  # the autoscaler may take it to maxReplicas 4
+        ({**SINGLE, "autoscaling": {"enabled": True, "mode": "external"}, "replicas": 1}, 2),  # HPA/KEDA may too
+        ({**SINGLE, "autoscaling": {"enabled": True, "mode": "advisory"}}, 1),  # advisory never scales
+        ({**SINGLE, "autoscaling": {"enabled": True}, "pools": {"unified": {"maxReplicas": 1}}}, 1),
+        (DISAGG, 2),
+        ({**DISAGG, "pools": {"prefill": {}, "decode": {}}}, 2),  # disaggregated: always two
+        ({**BASE, "router": {"replicas": 1}}, 1),  # explicit wins
+        ({**SINGLE, "router": {"replicas": 3}}, 3),
+    ],
+    ids=lambda v: "" if isinstance(v, dict) else str(v),
 )
-def test_the_router_budget_keeps_one_up_without_blocking_a_lone_routers_drain(replicas, budget):
+def test_router_replicas_default_to_two_where_any_pool_can_exceed_one(spec, routers):
+    found = children(spec)
+    assert found[("Deployment", "svc-router")]["spec"]["replicas"] == routers
+    assert desired_state("svc", "ns", ServiceView.from_spec(spec)).router.desired == routers
+    assert (("PodDisruptionBudget", "svc-router") in found) == (routers >= 2)
+
+
+def test_router_replicas_zero_is_refused_pointing_at_enabled_false():
+    for spec in (BASE, DISAGG):
+        model = InferenceServiceSpec.model_validate({**spec, "router": {"replicas": 0}})
+        assert validate_spec(model) == [ROUTER_REPLICAS_MESSAGE]
+    assert "router.enabled: false" in ROUTER_REPLICAS_MESSAGE
+
+
+@pytest.mark.parametrize(("replicas", "budget"), [(2, {"minAvailable": 1}), (5, {"minAvailable": 1}), (1, None)])
+def test_the_router_budget_keeps_one_up_and_a_lone_router_has_none(replicas, budget):
     found = children({**BASE, "router": {"replicas": replicas}})
     pdb = found.get(("PodDisruptionBudget", "svc-router"))
     if budget is None:
-        assert pdb is None  # no router pods: nothing to protect
+        assert pdb is None  # minAvailable 1 would block every drain of its node; maxUnavailable 1 protects nothing
+        assert found[("Deployment", "svc-router")]["spec"]["replicas"] == replicas
         return
     spec = dict(pdb["spec"])
     selector = spec.pop("selector")["matchLabels"]
@@ -69,6 +105,24 @@ def test_the_router_budget_keeps_one_up_without_blocking_a_lone_routers_drain(re
     router_labels = found[("Deployment", "svc-router")]["spec"]["template"]["metadata"]["labels"]
     assert matches(selector, router_labels)
     assert not matches(selector, found[("Deployment", "svc-unified")]["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "budget"),
+    [
+        (SINGLE, None),  # one replica, nothing to scale it: no PDB
+        ({**SINGLE, "pools": {"unified": {"disruptionBudget": {"minAvailable": 1}}}}, {"minAvailable": 1}),  # asked
+        ({**SINGLE, "pools": {"unified": {"disruptionBudget": {"maxUnavailable": 1}}}}, {"maxUnavailable": 1}),
+        ({**SINGLE, "autoscaling": {"enabled": True}}, {"maxUnavailable": 1}),  # may grow to maxReplicas 4
+        ({**SINGLE, "autoscaling": {"enabled": True, "mode": "advisory"}}, None),
+        ({**SINGLE, "replicas": 2}, {"maxUnavailable": 1}),
+        (BASE, {"maxUnavailable": 1}),
+    ],
+    ids=lambda v: "" if isinstance(v, dict) else str(v),
+)
+def test_a_pool_has_a_default_budget_only_where_it_can_exceed_one_replica(spec, budget):
+    pdb = children(spec).get(("PodDisruptionBudget", "svc-unified"))
+    assert (pdb and {k: v for k, v in pdb["spec"].items() if k != "selector"}) == budget
 
 
 def test_pool_budgets_default_to_max_unavailable_one_and_follow_each_pools_disruption_budget():
@@ -104,7 +158,9 @@ def test_a_budget_bound_is_a_count_or_percent(bad):
 def test_the_crd_carries_the_rule_and_the_router_default():
     crd = build_crd()  # what `tidepool crds` writes (test_crd.py keeps the files in sync with it)
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    assert spec["router"]["properties"]["replicas"]["default"] == 2
+    router = spec["router"]["properties"]
+    assert "default" not in router["replicas"] and router["enabled"]["default"] is True  # replicas: automatic
+    assert ROUTER_REPLICAS_MESSAGE in {r["message"] for r in spec["router"]["x-kubernetes-validations"]}
     for pool in ("unified", "prefill", "decode"):
         budget = spec["pools"]["properties"][pool]["properties"]["disruptionBudget"]
         assert {r["message"] for r in budget["x-kubernetes-validations"]} == {ONE_OF_MESSAGE}

@@ -43,6 +43,7 @@ SPEC_MATRIX: list[tuple[dict[str, Any], ClusterFeatures]] = [
     (MULTI_NODE, ClusterFeatures()),
     (MULTI_NODE, ClusterFeatures(has_lws=True)),
     ({**BASE, "lora": {"maxAdapters": 2, "maxRank": 32, "maxCpuAdapters": 4}}, ClusterFeatures()),
+    ({**BASE, "autoscaling": {"enabled": True, "idle": "sleep"}}, ClusterFeatures()),
 ]
 RANK_ENV = {
     "TIDEPOOL_NODE_RANK": "1",

@@ -52,7 +52,8 @@ def test_every_field_omitted_yields_the_documented_defaults_in_the_view() -> Non
     assert (pool.replicas, pool.min_replicas, pool.max_replicas) == (1, 1, 4)
     assert pool.resources == Resources(gpus_per_replica=1, gpu_product=None, cpu=None, memory=None)
     assert (view.parallelism.tensor, view.parallelism.pipeline) == (1, 1)
-    assert (view.router.replicas, view.router.policy) == (2, "prefix-aware")
+    assert (view.router.enabled, view.router.replicas, view.router.policy) == (True, None, "prefix-aware")
+    assert view.spec.router_replicas() == 1  # automatic: one pool replica and no autoscaler
     assert (view.rollout.max_surge, view.rollout.max_unavailable) == (1, 0)
     assert (view.quantization, view.model.revision, view.engine.image) == (None, None, None)
     assert (view.engine.max_num_seqs, view.engine.drain_timeout_seconds) == (256, 30)
@@ -101,7 +102,7 @@ def test_every_field_omitted_yields_the_api_defaults_in_every_child() -> None:
     assert pod["terminationGracePeriodSeconds"] == grace
     assert defaults.image is None  # the operator's default engine image applies
     assert pod["containers"][0]["image"] == ClusterFeatures().engine_image == DEFAULT_ENGINE_IMAGE
-    assert router["spec"]["replicas"] == RouterSpec().replicas
+    assert RouterSpec().replicas is None and router["spec"]["replicas"] == 1  # automatic (spec.router_replicas)
     router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router_args[router_args.index("--policy") + 1] == RouterSpec().policy
 

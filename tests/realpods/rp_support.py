@@ -10,6 +10,7 @@ engines through EndpointSlices. The host reaches pod IPs and Service IPs through
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -57,6 +58,8 @@ class Operator:
         # The Lease the chart's leader-election Role lets its ServiceAccount renew (production: the chart's
         # Deployment passes the same two flags).
         args += ["--leader-election-namespace", OPERATOR_NAMESPACE, "--leader-election-id", LEASE_NAME]
+        # The real node enforces NetworkPolicies: this host process scrapes and calls pods from the host's address.
+        args += ["--collector-ip-blocks", ",".join(host_ip_blocks(kubeconfig))]
         env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "TIDEPOOL_AUTOSCALE_INTERVAL")}
         env["TIDEPOOL_OPERATOR_METRICS_PORT"] = str(metrics_port)  # never a fixed port a neighbour may hold
         self.log = log
@@ -82,6 +85,15 @@ class Operator:
 
     def _lines(self) -> list[str]:
         return (self.log.read_text(errors="replace") if self.log.exists() else "").splitlines()
+
+
+def host_ip_blocks(kubeconfig: Path) -> list[str]:
+    """Where the real node sees this host's traffic come from: the host side of the node's veth, which is also
+    where the dev cluster's API server listens (devcluster.py), so the kubeconfig's server names it. [] for a
+    loopback server (no real node)."""
+    server = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    host = httpx.URL(server).host
+    return [] if ipaddress.ip_address(host).is_loopback else [f"{host}/32"]
 
 
 def cpu_service(name: str, image: str, replicas: int = 1, **spec: Any) -> dict[str, Any]:

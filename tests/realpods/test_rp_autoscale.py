@@ -191,7 +191,9 @@ def test_autoscaler_scales_a_real_pool_up_under_load_and_back_down_without_losin
         up_inputs = up_auto["pools"]["unified"]["inputs"]
         assert up_inputs["podsScraped"] >= 1 and up_inputs["queueDepth"] > 1, report()
         down_inputs = down_auto["pools"]["unified"]["inputs"]
-        assert down_inputs["podsScraped"] == 2 and down_inputs.get("queueDepth", 0) <= 1, report()
+        # podsScraped is 2 at the decision itself, but status is polled: on a loaded machine the poll can read the
+        # next tick, where the pod being removed (terminating) is no longer scraped. Either way a real engine answered.
+        assert down_inputs["podsScraped"] >= 1 and down_inputs.get("queueDepth", 0) <= 1, report()
         assert up_auto["mode"] == "active" and down_auto["lastScaleTime"] > up_auto["lastScaleTime"], report()
         # No request lost: every one the load sent, up and down, was answered 200.
         assert heavy is not None and light is not None

@@ -9,7 +9,9 @@ Consumer role: waits for that transfer, then answers as a unified engine would.
 
 Scripted failures (`FakeEngine.script`, consumed one per request): an int status (500, 429)
 answers that status; "cut" streams one event and then breaks the connection; "hang" sleeps
-until the client goes away (recorded in `num_cancelled`).
+until the client goes away (recorded in `num_cancelled`); "sleeping" answers the 503 a sleeping engine gives.
+Sleep mode (`is_sleeping`): /ready stays 200, /metrics says the sleep state (tidepool.contract.sleep) and every
+generation request gets that 503, as a real engine put to sleep by the operator.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tidepool.contract import sleep
 
 
 def fake_tokens(prompt: str, start: int, stop: int) -> list[str]:
@@ -51,6 +55,7 @@ class FakeEngine:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     transfers: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_cancelled: int = 0
+    is_sleeping: bool = False
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -66,6 +71,9 @@ class FakeEngine:
                 f'vllm:num_requests_running{{model_name="fake"}} {self.num_running}\n'
                 'vllm:kv_cache_usage_perc{model_name="fake"} 0.25\n'
             )
+            for state in sleep.SLEEP_STATES:
+                is_current = state == (sleep.WEIGHTS_OFFLOADED if self.is_sleeping else sleep.AWAKE)
+                text += f'{sleep.ENGINE_SLEEP_STATE_METRIC}{{{sleep.SLEEP_STATE_LABEL}="{state}"}} {int(is_current)}\n'
             return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")
@@ -90,6 +98,9 @@ class FakeEngine:
     async def answer(self, body: dict[str, Any], raw: Request, chat: bool) -> Response:
         self.bodies.append(body)
         action = self.script.pop(0) if self.script else None
+        if self.is_sleeping or action == "sleeping":
+            error = {"error": {"message": "asleep", "type": "service_unavailable", "code": sleep.SLEEPING_CODE}}
+            return JSONResponse(error, status_code=503)
         if isinstance(action, int):
             error = {"error": {"message": f"{self.name} scripted {action}", "type": "x", "param": None, "code": None}}
             return JSONResponse(error, status_code=action, headers={"Retry-After": "1"} if action == 429 else None)

@@ -1,7 +1,8 @@
 """The HTTP side reaches the engine only through `AsyncEngine`'s queue and the read-only `EngineInfo` (issue #15).
 
 Checked on the source: no server module but the engine thread's owner touches the `LLMEngine`
-object, and only the module that builds it (off the event loop) or snapshots it imports it.
+object, and only the module that builds it (off the event loop) or snapshots it imports it (plus two type-only
+imports for functions the owner runs on the engine thread: `CallEngine`, sleep mode).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from tidepool.engine.server.engine_info import EngineInfo
 
 SERVER = Path(server_pkg.__file__).parent
 OWNER = "async_engine.py"  # the engine thread's owner: the only holder of the LLMEngine
-MAY_IMPORT_ENGINE = {OWNER, "engine_info.py", "app.py"}  # the owner, the snapshot, the loader thread
+# The owner, the snapshot, the loader thread; and, for types only, the `CallEngine` command (a function the owner
+# runs on the engine thread, between steps) and sleep.py, whose only such functions are the engine-side sleeper's.
+MAY_IMPORT_ENGINE = {OWNER, "engine_info.py", "app.py", "commands.py", "sleep.py"}
 
 
 def _modules() -> list[Path]:

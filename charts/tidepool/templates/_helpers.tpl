@@ -35,3 +35,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* The ClusterRole every router's RoleBinding names (--router-cluster-role): "<fullname>-router" (no
+truncation: a ClusterRole name may be 253 characters, and a cut suffix would name the operator's own). */ -}}
+{{- define "tidepool.routerClusterRole" -}}
+{{- printf "%s-router" (include "tidepool.fullname" .) -}}
+{{- end -}}
