@@ -9,23 +9,15 @@ runner's later `pack_weights` nothing to move.
 from __future__ import annotations
 
 import pytest
-import torch
+from in_place_kit import packed_equals_plain
 
 from tidepool.engine import LLM, SamplingParams, hugepages
-from tidepool.engine.loading.loader import load_model
 
 
 @pytest.mark.parametrize(("variant", "type_name"), [("llama-mqa-tied-llama3rope", "Q8_0"), ("qwen2-tied", "Q4_1")])
 def test_in_place_load_equals_a_plain_load(gguf_model, variant: str, type_name: str) -> None:
     path = gguf_model(variant, type_name)
-    plain, _ = load_model(path, torch.float32, show_progress=False)
-    packed, _ = load_model(path, torch.float32, show_progress=False, pack_weights=True)
-    expected = dict(plain.state_dict(keep_vars=True))
-    got = dict(packed.state_dict(keep_vars=True))
-    assert list(got) == list(expected)
-    for name, tensor in got.items():
-        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
-    assert packed.lm_head is None and packed.lm_head_weight is packed.embed_tokens  # tied: still one tensor
+    packed = packed_equals_plain(path)
     if hugepages.unavailable_reason() is not None:
         pytest.skip(f"huge pages off here: {hugepages.unavailable_reason()}")
     tensors = [*packed.parameters(), *packed.buffers()]
